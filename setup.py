@@ -1,0 +1,50 @@
+"""Builds gradaccel's extension ``gradaccel._C``.
+
+A ``CppExtension`` from ``csrc/*.cpp``; a ``CUDAExtension`` that adds ``csrc/cuda/*.cu`` where
+torch has CUDA and ``CUDA_HOME`` is set. ``GRADACCEL_CUDA=0/1`` overrides the choice. Build with
+``pip install --no-build-isolation -e .`` (``make install`` does this) so the torch already
+installed is the one built against.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = Path(__file__).parent
+CSRC = ROOT / "csrc"
+
+# Two cores on CI: uncapped parallel nvcc/g++ jobs only thrash memory.
+os.environ.setdefault("MAX_JOBS", str(min(4, os.cpu_count() or 1)))
+
+
+def _load_source_hash():
+    spec = importlib.util.spec_from_file_location("_gradaccel_source_hash", ROOT / "gradaccel" / "_source_hash.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.source_hash(CSRC)
+
+
+def _want_cuda() -> bool:
+    forced = os.environ.get("GRADACCEL_CUDA")
+    if forced is not None:
+        return forced == "1"
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def _extension():
+    sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
+    define = [("GRADACCEL_SOURCE_HASH", f'"{_load_source_hash()}"')]
+    cxx = ["-O3", "-std=c++20"]
+    if _want_cuda():
+        sources += sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cuda").glob("*.cu"))
+        define.append(("GRADACCEL_WITH_CUDA", "1"))
+        nvcc = ["-O3", "-std=c++20", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+        return CUDAExtension("gradaccel._C", sources, define_macros=define, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+    return CppExtension("gradaccel._C", sources, define_macros=define, extra_compile_args={"cxx": cxx})
+
+
+setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})

@@ -1,0 +1,1 @@
+"""Triton kernels, one file per family. Pure kernels and their launchers: no torch-level logic."""
