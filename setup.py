@@ -35,16 +35,31 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
+def _write_hash_header() -> Path:
+    """Writes the sources' hash into a generated header that only csrc/module.cpp includes.
+
+    A header rather than a -D flag: a changed flag would make ninja recompile every file.
+    """
+    include = ROOT / "build" / "generated"
+    include.mkdir(parents=True, exist_ok=True)
+    text = f'#pragma once\n#define GRADACCEL_SOURCE_HASH "{_load_source_hash()}"\n'
+    header = include / "gradaccel_source_hash.h"
+    if not header.exists() or header.read_text() != text:
+        header.write_text(text)
+    return include
+
+
 def _extension():
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
-    define = [("GRADACCEL_SOURCE_HASH", f'"{_load_source_hash()}"')]
+    define = []
+    include_dirs = [str(_write_hash_header())]
     cxx = ["-O3", "-std=c++20"]
     if _want_cuda():
         sources += sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cuda").glob("*.cu"))
         define.append(("GRADACCEL_WITH_CUDA", "1"))
         nvcc = ["-O3", "-std=c++20", "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
-        return CUDAExtension("gradaccel._C", sources, define_macros=define, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
-    return CppExtension("gradaccel._C", sources, define_macros=define, extra_compile_args={"cxx": cxx})
+        return CUDAExtension("gradaccel._C", sources, include_dirs=include_dirs, define_macros=define, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+    return CppExtension("gradaccel._C", sources, include_dirs=include_dirs, define_macros=define, extra_compile_args={"cxx": cxx})
 
 
 setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})

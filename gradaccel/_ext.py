@@ -17,6 +17,8 @@ def load():
         RuntimeError: the extension is not built, or was built from other sources than the
             ``csrc/`` next to this package (an in-tree checkout edited since its last build).
     """
+    import torch  # noqa: F401  (loads libtorch, which _C links against)
+
     try:
         from gradaccel import _C
     except ImportError as exc:
