@@ -1,0 +1,1 @@
+"""`python -m bench`: gradaccel side by side with stock PyTorch. One module per suite."""
