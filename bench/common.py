@@ -1,5 +1,6 @@
 """What every suite shares: the row format and an interleaved, warmed-up median timer."""
 
+import os
 import statistics
 import time
 from typing import Callable
@@ -44,3 +45,40 @@ def time_interleaved(fns: dict[str, Callable[[], object]], device: str, warmup: 
                 fn()
                 samples[name].append(time.perf_counter() - t0)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+# --- Hooks between the suites and the `python -m bench` front end -----------------------------
+# Suites call these; the CLI wires them. Run outside the CLI (a notebook, pytest), they are inert.
+
+TINY_ENV = "GRADACCEL_BENCH_TINY"
+
+_progress_hook: Callable[[str, int | None, int | None], None] | None = None
+
+
+def progress(case: str, i: int | None = None, n: int | None = None) -> None:
+    """Tell the front end which case a suite starts now.
+
+    Args:
+        case: the case name, as it will appear in the rows' ``case`` field.
+        i, n: optional position, 1-based, and total number of cases, for a ``(i/n)`` counter;
+            without them the front end counts calls itself.
+
+    A no-op unless ``python -m bench`` is running the suite.
+    """
+    if _progress_hook is not None:
+        _progress_hook(case, i, n)
+
+
+def set_progress_hook(hook: Callable[[str, int | None, int | None], None] | None) -> None:
+    """Install (or, with ``None``, remove) the display that :func:`progress` feeds. CLI only."""
+    global _progress_hook
+    _progress_hook = hook
+
+
+def tiny() -> bool:
+    """True when the suite must run its smallest configuration (seconds, not minutes).
+
+    ``python -m bench --tiny`` sets it, and so do the tests of the front end: sizes may then be
+    too small to mean anything; only the code paths, the rows and the plots are checked.
+    """
+    return os.environ.get(TINY_ENV, "") not in ("", "0")
