@@ -1,0 +1,225 @@
+"""Checkpoint every repeated block of a model in place: ``checkpoint_blocks``.
+
+Two routes. Hugging Face ``PreTrainedModel``s that support gradient checkpointing keep their own
+machinery (``GradientCheckpointingLayer`` drops the KV cache in training, skips checkpointing in
+eval and under ``no_grad``, and wraps ``forward`` rather than ``__call__``); we only hand it
+``gradaccel.checkpoint`` with the budget bound. Every other model gets its blocks' class swapped
+for a subclass whose ``forward`` runs inside ``gradaccel.checkpoint``: the parameters, buffers and
+``state_dict`` keys stay as they are, and module hooks (forward pre-hooks, forward hooks, FSDP's)
+run in ``__call__`` around ``forward``, so outside the checkpointed region and once per step.
+"""
+
+import functools
+import math
+
+import torch
+import torch.nn as nn
+
+from gradaccel.checkpoint import checkpoint
+
+__all__ = ["checkpoint_blocks"]
+
+# One checkpointed subclass per original block class, so N blocks of one class share one type.
+_SUBCLASSES = {}
+
+
+def _check_budget(budget):
+    # Same rule as gradaccel.checkpoint, checked here so a bad value fails at set-up, not in the
+    # middle of the first training step.
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budget must be None, a float in [0, 1] or an int of bytes >= 0, got {budget!r}")
+    if isinstance(budget, float) and (math.isnan(budget) or not 0.0 <= budget <= 1.0):
+        raise ValueError(f"budget as a float is a fraction in [0, 1], got {budget!r}")
+    if isinstance(budget, int) and budget < 0:
+        raise ValueError(f"budget as an int is a number of bytes >= 0, got {budget!r}")
+
+
+def _checkpointed_forward(self, *args, **kwargs):
+    forward = super(type(self)._gradaccel_subclass, self).forward
+    # Eval, no_grad and inference need no backward, so nothing to recompute: run as is (this also
+    # keeps a KV cache that a recompute would otherwise update twice).
+    if not (self.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    # Keyword arguments go in through partial so that names such as `use_reentrant` or `budget`
+    # reach the block, not checkpoint.
+    return checkpoint(functools.partial(forward, **kwargs), *args, budget=self._gradaccel_budget)
+
+
+def _subclass_for(cls):
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": _checkpointed_forward})
+        sub._gradaccel_subclass = sub
+        sub.__module__ = cls.__module__
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+def _is_hf_checkpointable(module):
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(module, PreTrainedModel) and bool(getattr(module, "supports_gradient_checkpointing", False))
+
+
+def _already_checkpointed(model):
+    for name, m in model.named_modules():
+        if getattr(type(m), "_gradaccel_subclass", None) is not None:
+            return f"{name or 'model'} is already checkpointed by checkpoint_blocks"
+        if getattr(m, "gradient_checkpointing", False) is True:
+            return (f"{name or 'model'} already has Hugging Face gradient checkpointing on; call "
+                    "model.gradient_checkpointing_disable() first")
+        if type(m).__name__ == "CheckpointWrapper":
+            return f"{name or 'model'} is already wrapped by torch's checkpoint_wrapper"
+    return None
+
+
+def _hf_enable(model, budget):
+    import inspect
+
+    if "gradient_checkpointing_func" not in inspect.signature(model._set_gradient_checkpointing).parameters:
+        raise TypeError(
+            f"{type(model).__name__} overrides _set_gradient_checkpointing with the pre-4.35 signature, "
+            "which cannot take gradaccel.checkpoint; pass block_types=<its layer class> to wrap its "
+            "blocks directly")
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(checkpoint, budget=budget))
+    # As transformers does: checkpointed blocks fed by frozen embeddings (adapters, PEFT) must
+    # still see inputs that require grad, or nothing upstream of the first block gets a gradient.
+    if getattr(model, "main_input_name", None) == "input_ids" or getattr(model, "_hf_peft_config_loaded", False):
+        model.enable_input_require_grads()
+
+
+def _resolve_types(block_types):
+    if isinstance(block_types, (type, str)):
+        block_types = (block_types,)
+    try:
+        block_types = tuple(block_types)
+    except TypeError:
+        raise TypeError(f"block_types must be a class, a class name or a sequence of them, got {block_types!r}") from None
+    for t in block_types:
+        if not (isinstance(t, str) or (isinstance(t, type) and issubclass(t, nn.Module))):
+            raise TypeError(f"block_types must hold nn.Module subclasses or class names, got {t!r}")
+    if not block_types:
+        raise ValueError("block_types is empty")
+    return block_types
+
+
+def _matches(module, block_types):
+    return any(type(module).__name__ == t if isinstance(t, str) else isinstance(module, t) for t in block_types)
+
+
+def _find_by_type(model, block_types):
+    found, inside = [], set()
+    for name, m in model.named_modules():
+        # Outermost matches only: a block nested inside another block is already recomputed.
+        if any(name.startswith(p + ".") for p in inside):
+            continue
+        if _matches(m, block_types):
+            found.append(m)
+            inside.add(name)
+    return found
+
+
+def _find_largest_list(model):
+    best, best_key = None, None
+    for m in model.modules():
+        if not isinstance(m, nn.ModuleList) or len(m) == 0:
+            continue
+        if len({type(c) for c in m}) != 1:
+            continue
+        # Largest by parameter count, then length; ties keep the first, i.e. the outermost list.
+        key = (sum(p.numel() for p in m.parameters()), len(m))
+        if best_key is None or key > best_key:
+            best, best_key = m, key
+    return list(best) if best is not None else []
+
+
+def checkpoint_blocks(model, budget=None, block_types=None):
+    """Checkpoint each repeated block of ``model`` in place, through ``gradaccel.checkpoint``.
+
+    In training mode with grad enabled, each block's forward runs inside
+    ``gradaccel.checkpoint(..., budget=budget)``; in eval mode or under ``torch.no_grad()`` it
+    runs as before, so ``model.eval()`` and ``generate()`` keep working. Outputs and gradients are
+    those of the model without checkpointing.
+
+    Which blocks:
+
+    - A Hugging Face ``PreTrainedModel`` with ``supports_gradient_checkpointing`` goes through its
+      own hook (``_set_gradient_checkpointing(gradient_checkpointing_func=...)``), which picks its
+      layers itself, plus ``enable_input_require_grads()`` for models fed ``input_ids``. A plain
+      module holding such models (a custom head around ``AutoModel``) gets the same treatment for
+      each of them when ``block_types`` is None.
+    - Any other model: every outermost module matching ``block_types``, or if that is None the
+      modules of the largest ``nn.ModuleList`` whose entries all have one class (largest by
+      parameter count). The block's class is swapped for a subclass whose ``forward`` is
+      checkpointed; its parameters and ``state_dict`` keys do not change, and module hooks run
+      outside the checkpointed region (once per step, not again during recompute). Save such a
+      model with ``state_dict()``, not by pickling the module.
+
+    Calling it on a model that is already checkpointed (by this function, by Hugging Face's
+    ``gradient_checkpointing_enable`` or by torch's ``checkpoint_wrapper``) raises ``RuntimeError``;
+    finding no block raises ``ValueError``. Nothing is ever wrapped twice.
+
+    Args:
+        model (nn.Module): the model, changed in place.
+        budget (None | float | int): per block, as in ``gradaccel.checkpoint``: ``None`` or ``0.0``
+            keeps nothing inside a block (same memory as ``torch.utils.checkpoint``); a float in
+            ``(0, 1]`` the fraction of the block's activation bytes that may be kept; an int that
+            many bytes per block.
+        block_types (None | type | str | sequence of them): block classes, or class names such as
+            ``"LlamaDecoderLayer"``. Must be None for Hugging Face models that support
+            gradient checkpointing (their own hook picks the layers).
+
+    Returns:
+        nn.Module: ``model`` itself.
+
+    Raises:
+        ValueError: bad ``budget``, no block found, or ``block_types`` given for a Hugging Face model.
+        RuntimeError: ``model`` is already checkpointed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    _check_budget(budget)
+    if block_types is not None:
+        block_types = _resolve_types(block_types)
+    reason = _already_checkpointed(model)
+    if reason is not None:
+        raise RuntimeError(f"checkpoint_blocks: {reason}; calling it again would recompute blocks twice")
+
+    if _is_hf_checkpointable(model):
+        if block_types is not None:
+            raise ValueError(
+                f"block_types must be None for {type(model).__name__}: Hugging Face models are checkpointed "
+                "through their own hook, which picks the layers")
+        _hf_enable(model, budget)
+        return model
+
+    if block_types is None:
+        # Outermost Hugging Face models inside a plain module (e.g. encoder + custom head).
+        hf, inside = [], set()
+        for name, m in model.named_modules():
+            if name and not any(name.startswith(p + ".") for p in inside) and _is_hf_checkpointable(m):
+                hf.append(m)
+                inside.add(name)
+        if hf:
+            for m in hf:
+                _hf_enable(m, budget)
+            return model
+        blocks = _find_largest_list(model)
+        if not blocks:
+            raise ValueError(
+                f"checkpoint_blocks found no repeated blocks in {type(model).__name__} (no nn.ModuleList of "
+                "same-class modules); pass block_types=<your block class>")
+    else:
+        blocks = _find_by_type(model, block_types)
+        if not blocks:
+            names = ", ".join(t if isinstance(t, str) else t.__name__ for t in block_types)
+            raise ValueError(f"checkpoint_blocks: no module of block_types ({names}) in {type(model).__name__}")
+
+    for block in blocks:
+        block.__class__ = _subclass_for(type(block))
+        block._gradaccel_budget = budget
+    return model

@@ -1,0 +1,227 @@
+"""checkpoint_blocks on plain PyTorch models, each compared with the same model unchanged."""
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gradaccel.blocks import checkpoint_blocks
+
+BUDGETS = [None, 0.0, 0.5, 1.0, 4096]
+
+
+class Block(nn.Module):
+    def __init__(self, d, p=0.0):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(p)
+        self.kept = []  # weak references to an intermediate's storage, see test_budget_zero_frees
+
+    def forward(self, x, scale=1.0):
+        h = self.fc1(self.ln(x))
+        self.kept.append(weakref.ref(h.untyped_storage()))
+        return x + self.drop(self.fc2(F.gelu(h))) * scale
+
+
+class Net(nn.Module):
+    def __init__(self, d=16, n=3, p=0.0):
+        super().__init__()
+        self.embed = nn.Linear(5, d)
+        self.blocks = nn.ModuleList(Block(d, p) for _ in range(n))
+        self.heads = nn.ModuleList(nn.Linear(d, 1) for _ in range(4))  # longer list, fewer parameters
+        self.mixed = nn.ModuleList([nn.Linear(d, d), nn.Tanh()])  # not same-class: never a block list
+
+    def forward(self, x):
+        h = self.embed(x)
+        for i, b in enumerate(self.blocks):
+            h = b(h, scale=0.5 + i)
+        h = self.mixed[1](self.mixed[0](h))
+        return sum(head(h) for head in self.heads).square().mean()
+
+
+def _pair(**kw):
+    torch.manual_seed(0)
+    ref = Net(**kw)
+    return ref, copy.deepcopy(ref)
+
+
+def _run(model, x, seed=1):
+    torch.manual_seed(seed)
+    loss = model(x)
+    loss.backward()
+    return loss.detach()
+
+
+def assert_grads_match(ref, model):
+    # Checkpointing does not change the maths: the tolerance only allows ulp-level differences
+    # from a recompute that orders reductions differently, relative to each tensor's scale.
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert q.grad is not None, name
+        scale = p.grad.abs().max().item() or 1.0
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6 * scale, msg=name)
+
+
+def _is_checkpointed(m):
+    return getattr(type(m), "_gradaccel_subclass", None) is not None
+
+
+def test_finds_largest_same_class_list():
+    model = checkpoint_blocks(Net())
+    assert [_is_checkpointed(b) for b in model.blocks] == [True] * 3
+    assert not any(_is_checkpointed(m) for m in model.heads)
+    assert not any(_is_checkpointed(m) for m in model.mixed)
+    assert not _is_checkpointed(model) and not _is_checkpointed(model.embed)
+    assert all(isinstance(b, Block) for b in model.blocks)
+
+
+@pytest.mark.parametrize("block_types", [Block, "Block", [Block], (nn.LayerNorm,), {"Linear"}])
+def test_block_types(block_types):
+    model = Net()
+    wanted = tuple(block_types) if isinstance(block_types, (list, tuple, set)) else (block_types,)
+    expected = [any(type(m).__name__ == t if isinstance(t, str) else isinstance(m, t) for t in wanted)
+                for m in model.modules()]
+    checkpoint_blocks(model, block_types=block_types)
+    assert [_is_checkpointed(m) for m in model.modules()] == expected
+    assert any(expected)
+
+
+def test_block_types_outermost_only():
+    model = checkpoint_blocks(Net(), block_types=(Block, nn.Linear))
+    for b in model.blocks:
+        assert _is_checkpointed(b)
+        assert not any(_is_checkpointed(m) for m in b.modules() if m is not b)
+    assert _is_checkpointed(model.embed)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_grads_match_no_checkpointing(budget, p):
+    ref, model = _pair(p=p)
+    checkpoint_blocks(model, budget=budget)
+    x = torch.randn(7, 5)
+    ref.train(), model.train()
+    torch.testing.assert_close(_run(model, x), _run(ref, x), rtol=0, atol=0)
+    assert_grads_match(ref, model)
+    # A second step on the same shapes (a planner may work differently once it has measured).
+    ref.zero_grad(), model.zero_grad()
+    x = torch.randn(7, 5)
+    torch.testing.assert_close(_run(model, x, seed=2), _run(ref, x, seed=2), rtol=0, atol=0)
+    assert_grads_match(ref, model)
+
+
+def test_budget_zero_frees_block_activations():
+    ref, model = _pair()
+    checkpoint_blocks(model, budget=0.0)
+    x = torch.randn(7, 5)
+    for m, freed in ((ref, False), (model, True)):
+        for b in m.blocks:
+            b.kept.clear()
+        loss = m(x)
+        gc.collect()
+        alive = [r() is not None for b in m.blocks for r in b.kept[:1]]
+        assert alive == [not freed] * 3
+        loss.backward()
+
+
+def test_eval_and_no_grad_run_plain():
+    ref, model = _pair(p=0.3)
+    checkpoint_blocks(model)
+    x = torch.randn(7, 5)
+    ref.eval(), model.eval()
+    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    # In eval the block keeps its activations: it is not checkpointed.
+    for b in model.blocks:
+        b.kept.clear()
+    loss = model(x)
+    gc.collect()
+    assert all(b.kept[0]() is not None for b in model.blocks)
+    loss.backward()
+    model.train()
+    with torch.no_grad():
+        torch.manual_seed(3)
+        out = model(x)
+        torch.manual_seed(3)
+        torch.testing.assert_close(out, ref.train()(x), rtol=0, atol=0)
+
+
+def test_hooks_stay_outside_checkpointed_region():
+    ref, model = _pair(p=0.3)
+    checkpoint_blocks(model, budget=0.0)
+    counts = {}
+
+    def pre(m, args, kwargs):
+        counts[id(m), "pre"] = counts.get((id(m), "pre"), 0) + 1
+        return (args[0] * 2,), kwargs  # changes the input: the recompute must see the changed one
+
+    def post(m, args, out):
+        counts[id(m), "post"] = counts.get((id(m), "post"), 0) + 1
+        return out - 1
+
+    for m in (ref, model):
+        for b in m.blocks:
+            b.register_forward_pre_hook(pre, with_kwargs=True)
+            b.register_forward_hook(post)
+    x = torch.randn(7, 5)
+    torch.testing.assert_close(_run(model, x), _run(ref, x), rtol=0, atol=0)
+    assert_grads_match(ref, model)
+    # Once per forward for each block of both models: hooks do not run again in the recompute.
+    assert sorted(counts.values()) == [1] * 12
+
+
+def test_call_twice_raises():
+    model = checkpoint_blocks(Net())
+    with pytest.raises(RuntimeError, match="already checkpointed"):
+        checkpoint_blocks(model)
+    with pytest.raises(RuntimeError, match="already checkpointed"):
+        checkpoint_blocks(model, block_types=nn.LayerNorm)
+    # The failed calls changed nothing.
+    assert all(type(b).__mro__[1] is Block for b in model.blocks)
+
+
+def test_torch_checkpoint_wrapper_is_refused():
+    wrappers = pytest.importorskip("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+    model = Net()
+    model.blocks[0] = wrappers.checkpoint_wrapper(model.blocks[0])
+    with pytest.raises(RuntimeError, match="checkpoint_wrapper"):
+        checkpoint_blocks(model, block_types=Block)
+
+
+def test_no_blocks_raises():
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        checkpoint_blocks(nn.Sequential(nn.Linear(3, 3), nn.ReLU()))
+    with pytest.raises(ValueError, match="block_types"):
+        checkpoint_blocks(Net(), block_types=nn.Conv2d)
+
+
+@pytest.mark.parametrize("budget", [-0.1, 1.5, float("nan"), True, "half", -1, [0.5]])
+def test_bad_budget_raises(budget):
+    model = Net()
+    with pytest.raises(ValueError, match="budget"):
+        checkpoint_blocks(model, budget=budget)
+    assert not any(_is_checkpointed(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("block_types", [3, [Block, 3], [], [int]])
+def test_bad_block_types_raises(block_types):
+    with pytest.raises((TypeError, ValueError), match="block_types"):
+        checkpoint_blocks(Net(), block_types=block_types)
+
+
+def test_state_dict_and_deepcopy_unchanged():
+    ref, model = _pair()
+    checkpoint_blocks(model)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    model.load_state_dict(ref.state_dict())
+    twin = copy.deepcopy(model)
+    assert all(_is_checkpointed(b) for b in twin.blocks)
+    assert all(tb is not b for tb, b in zip(twin.blocks, model.blocks))
+    x = torch.randn(7, 5)
+    torch.testing.assert_close(_run(twin, x), _run(ref, x), rtol=0, atol=0)
+    assert_grads_match(ref, twin)
+    assert all(p.grad is None for p in model.parameters())
