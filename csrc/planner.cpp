@@ -1,0 +1,221 @@
+// The checkpoint planner: which saved activations to keep under a byte budget so that the
+// cost of recomputing the others in backward is least.
+//
+// The problem comes from a trace of one region (gradaccel/_trace.py): ops read and write
+// *values* (a storage at one version; in-place ops make new versions of the same storage).
+// Backward needs the final value of every saved storage. A kept storage is a leaf; a dropped
+// one must be replayed from its producer, whose inputs are in turn leaves or replayed, and so
+// on. The cost of a plan is the summed cost of every op that replay has to run: a shared
+// ancestor is paid once, so costs are not additive per tensor and this is no plain knapsack.
+//
+// Search: branch and bound over keep/drop of each candidate storage, largest first. Dropping
+// more never makes replay cheaper, so the replay cost with every undecided candidate kept is a
+// lower bound, and a node whose undecided candidates all fit is a leaf. Exact within a node
+// limit; past it, the best plan found (seeded by a greedy plan) is returned, marked inexact.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr double kInfeasible = std::numeric_limits<double>::infinity();
+
+struct Problem {
+  std::vector<double> op_cost;
+  std::vector<bool> op_replayable;
+  std::vector<std::vector<int64_t>> op_inputs;  // value ids read by each op
+  std::vector<int64_t> value_producer;         // op id, or -1 for a value that exists before the region
+  std::vector<int64_t> value_storage;
+  std::vector<bool> value_leaf;        // usable as a leaf whenever its storage is available
+  std::vector<bool> storage_available;  // available regardless of the plan (inputs, outputs, ...)
+  std::vector<int64_t> candidates;     // storages the plan decides on
+  std::vector<int64_t> candidate_bytes;
+  std::vector<int64_t> candidate_value;  // the value backward needs if the candidate is dropped
+
+  // Replay cost when candidate i is kept iff kept[i]; fills `ops` (as a mask) when given.
+  double replay_cost(const std::vector<char>& kept, std::vector<char>* ops = nullptr) const {
+    std::vector<char> available(storage_available.begin(), storage_available.end());
+    for (size_t i = 0; i < candidates.size(); ++i)
+      if (kept[i]) available[candidates[i]] = 1;
+    std::vector<char> seen(value_producer.size(), 0), needed(op_cost.size(), 0);
+    std::vector<int64_t> stack;
+    for (size_t i = 0; i < candidates.size(); ++i)
+      if (!kept[i]) stack.push_back(candidate_value[i]);
+    double cost = 0.0;
+    while (!stack.empty()) {
+      int64_t v = stack.back();
+      stack.pop_back();
+      if (seen[v]) continue;
+      seen[v] = 1;
+      if (value_leaf[v] && available[value_storage[v]]) continue;
+      int64_t op = value_producer[v];
+      if (op < 0 || !op_replayable[op]) return kInfeasible;
+      if (needed[op]) continue;
+      needed[op] = 1;
+      cost += op_cost[op];
+      for (int64_t in : op_inputs[op]) stack.push_back(in);
+    }
+    if (ops) *ops = std::move(needed);
+    return cost;
+  }
+};
+
+struct Search {
+  const Problem& p;
+  int64_t budget;
+  int64_t node_limit;
+  std::vector<size_t> order;  // undecided candidates, largest first
+  std::vector<char> kept, best_kept;
+  double best = kInfeasible;
+  int64_t nodes = 0;
+  bool exhausted = false;
+
+  // suffix_bytes[d]: bytes of order[d:], to spot nodes whose undecided candidates all fit.
+  std::vector<int64_t> suffix_bytes;
+
+  void run(size_t depth, int64_t kept_bytes) {
+    if (++nodes > node_limit) {
+      exhausted = true;
+      return;
+    }
+    // Everything still undecided is provisionally kept: a lower bound on any completion.
+    double bound = p.replay_cost(kept);
+    if (bound >= best) return;
+    if (kept_bytes + suffix_bytes[depth] <= budget) {
+      best = bound;
+      best_kept = kept;
+      return;
+    }
+    if (depth == order.size()) return;
+    size_t c = order[depth];
+    if (kept_bytes + p.candidate_bytes[c] <= budget) {
+      run(depth + 1, kept_bytes + p.candidate_bytes[c]);
+      if (exhausted) return;
+    }
+    kept[c] = 0;
+    run(depth + 1, kept_bytes);
+    kept[c] = 1;
+  }
+};
+
+// Drops candidates one at a time, each time the one whose drop adds least cost per byte freed,
+// until the kept bytes fit. A quick feasible plan that seeds the exact search's bound.
+std::vector<char> greedy(const Problem& p, std::vector<char> kept, const std::vector<char>& forced,
+                         int64_t budget) {
+  int64_t kept_bytes = 0;
+  for (size_t i = 0; i < kept.size(); ++i)
+    if (kept[i]) kept_bytes += p.candidate_bytes[i];
+  double cost = p.replay_cost(kept);
+  while (kept_bytes > budget) {
+    size_t pick = kept.size();
+    double pick_rate = kInfeasible;
+    for (size_t i = 0; i < kept.size(); ++i) {
+      if (!kept[i] || forced[i] || p.candidate_bytes[i] == 0) continue;
+      kept[i] = 0;
+      double c = p.replay_cost(kept);
+      kept[i] = 1;
+      double rate = (c - cost) / static_cast<double>(p.candidate_bytes[i]);
+      if (c < kInfeasible && rate < pick_rate) {
+        pick_rate = rate;
+        pick = i;
+      }
+    }
+    if (pick == kept.size()) break;  // nothing more can be dropped
+    kept[pick] = 0;
+    kept_bytes -= p.candidate_bytes[pick];
+    cost = p.replay_cost(kept);
+  }
+  return kept;
+}
+
+// Returns (kept mask over candidates, replayed ops in order, replay cost, exact, fits budget).
+pybind11::tuple plan(std::vector<double> op_cost, std::vector<bool> op_replayable,
+                     std::vector<std::vector<int64_t>> op_inputs, std::vector<int64_t> value_producer,
+                     std::vector<int64_t> value_storage, std::vector<bool> value_leaf,
+                     std::vector<bool> storage_available, std::vector<int64_t> candidates,
+                     std::vector<int64_t> candidate_bytes, std::vector<int64_t> candidate_value,
+                     int64_t budget, int64_t node_limit) {
+  const size_t n_ops = op_cost.size(), n_values = value_producer.size();
+  TORCH_CHECK(op_replayable.size() == n_ops && op_inputs.size() == n_ops,
+              "gradaccel planner: op arrays differ in length");
+  TORCH_CHECK(value_storage.size() == n_values && value_leaf.size() == n_values,
+              "gradaccel planner: value arrays differ in length");
+  TORCH_CHECK(candidate_bytes.size() == candidates.size() && candidate_value.size() == candidates.size(),
+              "gradaccel planner: candidate arrays differ in length");
+  for (auto& ins : op_inputs)
+    for (int64_t v : ins) TORCH_CHECK(v >= 0 && static_cast<size_t>(v) < n_values, "gradaccel planner: bad value id ", v);
+  for (int64_t v : value_producer) TORCH_CHECK(v >= -1 && v < static_cast<int64_t>(n_ops), "gradaccel planner: bad op id ", v);
+  for (int64_t s : value_storage)
+    TORCH_CHECK(s >= 0 && static_cast<size_t>(s) < storage_available.size(), "gradaccel planner: bad storage id ", s);
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    TORCH_CHECK(candidates[i] >= 0 && static_cast<size_t>(candidates[i]) < storage_available.size(),
+                "gradaccel planner: bad candidate storage ", candidates[i]);
+    TORCH_CHECK(candidate_value[i] >= 0 && static_cast<size_t>(candidate_value[i]) < n_values,
+                "gradaccel planner: bad candidate value ", candidate_value[i]);
+    TORCH_CHECK(candidate_bytes[i] >= 0, "gradaccel planner: negative bytes");
+  }
+  Problem p{std::move(op_cost),        std::move(op_replayable),     std::move(op_inputs),
+            std::move(value_producer), std::move(value_storage),     std::move(value_leaf),
+            std::move(storage_available), std::move(candidates), std::move(candidate_bytes),
+            std::move(candidate_value)};
+  const size_t n = p.candidates.size();
+
+  // A candidate that cannot be rebuilt even with every other one kept must be kept.
+  std::vector<char> kept(n, 1), forced(n, 0);
+  int64_t forced_bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    kept[i] = 0;
+    if (p.replay_cost(kept) == kInfeasible) {
+      forced[i] = 1;
+      forced_bytes += p.candidate_bytes[i];
+    }
+    kept[i] = 1;
+  }
+
+  Search s{p, budget - forced_bytes, node_limit};
+  for (size_t i = 0; i < n; ++i)
+    if (!forced[i]) s.order.push_back(i);
+  std::stable_sort(s.order.begin(), s.order.end(),
+                   [&](size_t a, size_t b) { return p.candidate_bytes[a] > p.candidate_bytes[b]; });
+  s.suffix_bytes.assign(s.order.size() + 1, 0);
+  for (size_t d = s.order.size(); d-- > 0;) s.suffix_bytes[d] = s.suffix_bytes[d + 1] + p.candidate_bytes[s.order[d]];
+
+  bool fits = forced_bytes <= budget;
+  std::vector<char> seed = greedy(p, kept, forced, budget);
+  int64_t seed_bytes = 0;
+  for (size_t i = 0; i < n; ++i)
+    if (seed[i]) seed_bytes += p.candidate_bytes[i];
+  if (seed_bytes <= budget) {
+    s.best = p.replay_cost(seed);
+    s.best_kept = seed;
+  }
+  if (fits) {
+    s.kept = kept;
+    // The seed's own cost stays a valid incumbent: accept a search result only if strictly better.
+    s.run(0, 0);
+  }
+  std::vector<char> chosen = s.best_kept.empty() ? seed : s.best_kept;
+  std::vector<char> ops_mask;
+  double cost = p.replay_cost(chosen, &ops_mask);
+  std::vector<int64_t> ops;
+  for (size_t i = 0; i < ops_mask.size(); ++i)
+    if (ops_mask[i]) ops.push_back(static_cast<int64_t>(i));
+  std::vector<bool> kept_out(chosen.begin(), chosen.end());
+  return pybind11::make_tuple(kept_out, ops, cost, fits && !s.exhausted, fits && !s.best_kept.empty());
+}
+
+}  // namespace
+
+void init_planner(pybind11::module_& m) {
+  m.def("plan", &plan,
+        "Choose which candidate storages to keep under `budget` bytes so replay cost is least.\n"
+        "Returns (kept mask, replayed op ids in order, replay cost, exact, fits budget).",
+        pybind11::arg("op_cost"), pybind11::arg("op_replayable"), pybind11::arg("op_inputs"),
+        pybind11::arg("value_producer"), pybind11::arg("value_storage"), pybind11::arg("value_leaf"),
+        pybind11::arg("storage_available"), pybind11::arg("candidates"), pybind11::arg("candidate_bytes"),
+        pybind11::arg("candidate_value"), pybind11::arg("budget"), pybind11::arg("node_limit") = 200000);
+}
