@@ -71,7 +71,8 @@ def _already_checkpointed(model):
             return f"{name or 'model'} is already checkpointed by checkpoint_blocks"
         if getattr(m, "gradient_checkpointing", False) is True:
             return (f"{name or 'model'} already has Hugging Face gradient checkpointing on; call "
-                    "model.gradient_checkpointing_disable() first")
+                    "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before "
+                    "transformers 5) first")
         if type(m).__name__ == "CheckpointWrapper":
             return f"{name or 'model'} is already wrapped by torch's checkpoint_wrapper"
     return None
