@@ -238,7 +238,7 @@ def render_report(env: dict[str, str], tables: dict[str, str], plots: dict[str, 
     out += [f"| {k} | {v} |" for k, v in env.items()]
     out.append("")
     for suite, table in tables.items():
-        out += [f"### {suite}", "", table]
+        out += [f"## {suite}", "", table]
     out += [_KEEP_END, ""]
     if any(plots.values()):
         out += ["## Plots", ""]
@@ -258,12 +258,12 @@ def results_section(report_md: str) -> tuple[str, str]:
     if m is None:
         raise ValueError("report.md has no results markers: was it written by `python -m bench`?")
     body = m.group(1).strip()
-    env_table = body.split("\n### ", 1)[0]
+    env_table = body.split("\n## ", 1)[0]
     fields = dict(re.findall(r"^\| (\w+) \| (.*) \|$", env_table, re.M))
     key = fields.get("device", "cpu")
     where = fields.get("gpu") if key == "cuda" else fields.get("cpu")
     title = f"## {'GPU' if key == 'cuda' else 'CPU'}: {where}, {fields.get('date', '?')[:10]}"
-    body = body.replace("### ", "#### ")
+    body = re.sub(r"^## ", "### ", body, flags=re.M)
     return key, f"<!-- bench:{key}:start -->\n{title}\n\n{body}\n<!-- bench:{key}:end -->"
 
 

@@ -96,7 +96,7 @@ def test_cli_end_to_end(fakes, tmp_path, capsys):
 
     # One table per suite; ours as ratios to the baseline, which shows its own value.
     for suite, base in [("fakea", "torch-add"), ("fakeb", "torch")]:
-        assert f"### {suite}" in md and f"`{base}`" in md
+        assert f"## {suite}\n" in md and f"`{base}`" in md
     assert f"| small | time | s | 2 | 0.5x | 0.25x |" in md
     assert f"| large | bytes | B/param | 26 | 0.385x |  |" in md
     for key in ("date", "machine", "cpu", "gpu", "python", "torch", "triton", "git"):
@@ -126,7 +126,7 @@ def test_a_failing_suite_keeps_the_others(fakes, tmp_path, capsys):
     failures = md.split("## Failures", 1)[1]
     assert "fakeboom blew up in case large" in failures and "RuntimeError" in failures
     assert "row 10 dropped" in failures and "no suite 'nosuchsuite'" in failures
-    assert "### fakeok" not in failures and "### fakeok" in md
+    assert "### fakeok" not in failures and "## fakeok\n" in md
     err = capsys.readouterr().err
     assert "fakeboom: FAILED (0 rows kept): RuntimeError: fakeboom blew up" in err
     assert "FAILED suites: fakeboom, fakebad, nosuchsuite" in err
@@ -215,7 +215,7 @@ def test_results_md_sections(tmp_path):
     report.update_results_md(report_md("cuda", 4.0), target)
     report.update_results_md(report_md("cpu", 8.0), target)
     text = target.read_text()
-    assert text.startswith("# Results\n\nHow these are made.\n")
+    assert text.startswith("# Results\n\nHow these are made.\n") and "\n### s\n" in text
     assert text.count("<!-- bench:cpu:start -->") == 1 and text.count("<!-- bench:cuda:end -->") == 1
     assert "## CPU: Some CPU, 2026-01-02" in text and "## GPU: H100, 2026-01-02" in text
     assert "| c | time | s | 8 | 0.125x |" in text and "| 2 | 0.5x |" not in text
