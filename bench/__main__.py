@@ -193,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         print("python -m bench: --device cuda, but torch sees no CUDA device "
               f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})", file=sys.stderr)
         return 2
+    # The flag, not whatever the shell happens to hold, decides what suites see.
+    os.environ[common.TINY_ENV] = "1" if a.tiny else "0"
     if a.tiny:
         a.quick = True
-        os.environ[common.TINY_ENV] = "1"
     elif a.quick is None:
         a.quick = a.device == "cpu"
     if a.threads:
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"python -m bench: {','.join(a.suites)} on {a.device}, {mode}, into {a.out}",
           file=sys.stderr, flush=True)
     show = Progress(len(a.suites))
+    t0 = time.perf_counter()
     all_rows, tables, plots, failures = [], {}, {}, {}
     for k, name in enumerate(a.suites, 1):
         show.start(k, name.rsplit(".", 1)[-1])
@@ -220,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     report.write_json(all_rows, a.out / "results.json")
     report.write_csv(all_rows, a.out / "results.csv")
     command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = report.render_report(report.environment(a.device, mode), tables, plots, failures, command.strip())
+    env = report.environment(a.device, mode)
+    env["duration"] = f"{time.perf_counter() - t0:.0f} s"
+    md = report.render_report(env, tables, plots, failures, command.strip())
     (a.out / "report.md").write_text(md)
     if a.results_md is not None and not failures:
         report.update_results_md(a.out / "report.md", a.results_md)
@@ -229,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for short, table in tables.items():
         print(f"\n## {short}\n\n{table}")
-    print(f"{len(all_rows)} rows, {sum(map(len, plots.values()))} plots: {a.out}")
+    print(f"{len(all_rows)} rows, {sum(map(len, plots.values()))} plots in {env['duration']}: {a.out}")
     if failures:
         print(f"FAILED suites: {', '.join(failures)} (details above and in {a.out / 'report.md'})",
               file=sys.stderr, flush=True)
