@@ -1,0 +1,369 @@
+"""FusedAccumOptimizer against stock PyTorch: big-batch equivalence, items normalization,
+clipping, bf16 master weights, non-finite skips, resume, LR schedulers and argument checks."""
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+
+from gradaccel.optimizer import FusedAccumOptimizer
+
+
+def _mlp(seed=0, dtype=torch.float32, din=8, dh=16, dout=3):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(din, dh), torch.nn.Tanh(),
+                               torch.nn.Linear(dh, dout)).to(dtype)
+
+
+def _data(n, din=8, dout=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, din, generator=g), torch.randn(n, dout, generator=g)
+
+
+def _max_diff(a, b):
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_matches_big_batch(name):
+    model, ref = _mlp(), _mlp()
+    opt = FusedAccumOptimizer(OPTIMIZERS[name](model.parameters()), 4)
+    ref_opt = OPTIMIZERS[name](ref.parameters())
+    for window in range(4):
+        x, y = _data(16, seed=window)
+        results = []
+        for k in range(4):
+            loss = torch.nn.functional.mse_loss(model(x[4 * k: 4 * k + 4]), y[4 * k: 4 * k + 4])
+            loss.backward()
+            # No per-parameter .grad survives the backward: it lives in the flat buffer.
+            assert all(p.grad is None for p in model.parameters())
+            results.append(opt.step())
+            opt.zero_grad()
+        assert results == [False, False, False, True]
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert _max_diff(model, ref) < 2e-6
+    # Nothing is left as .grad between windows, neither on params nor on what the inner optimizer holds.
+    assert all(p.grad is None for g in opt.param_groups for p in g["params"])
+
+
+def test_bit_exact_vs_stock_accumulation_loop():
+    # Same micro-batches, fp32, power-of-two window: the maths is unchanged, so the result is too.
+    model, ref = _mlp(), _mlp()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 4)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(12):
+        x, y = _data(4, seed=step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        (torch.nn.functional.mse_loss(ref(x), y) / 4).backward()
+        if step % 4 == 3:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tensor_counts", [False, True])
+def test_items_mode_uneven_micro_batches(tensor_counts):
+    sizes = [3, 11, 1, 9, 16]
+    model, ref = _mlp(), _mlp()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), len(sizes), normalize="items")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for window in range(2):
+        x, y = _data(sum(sizes), seed=window)
+        start, out = 0, []
+        for n in sizes:
+            xb, yb = x[start: start + n], y[start: start + n]
+            start += n
+            # a sum over items: here every row is one item (3 outputs each, summed)
+            torch.nn.functional.mse_loss(model(xb), yb, reduction="sum").backward()
+            out.append(opt.step(num_items=torch.tensor(n) if tensor_counts else n))
+        assert out == [False] * 4 + [True]
+        (torch.nn.functional.mse_loss(ref(x), y, reduction="sum") / sum(sizes)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert _max_diff(model, ref) < 2e-6
+    # the "mean of micro-batch means" that trainers compute is measurably different
+    assert sizes != [sizes[0]] * len(sizes)
+
+
+def test_items_mode_needs_num_items():
+    model = _mlp()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, normalize="items")
+    model(torch.randn(2, 8)).sum().backward()
+    with pytest.raises(ValueError, match="num_items"):
+        opt.step()
+    for bad in (-1, "3", True, float("nan")):
+        with pytest.raises(ValueError, match="num_items"):
+            opt.step(num_items=bad)
+    mean_opt = FusedAccumOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1), 2)
+    with pytest.raises(ValueError, match="num_items"):
+        mean_opt.step(num_items=4)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])
+def test_clipping_matches_clip_grad_norm(max_norm):
+    model, ref = _mlp(), _mlp()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, max_grad_norm=max_norm)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    assert opt.last_grad_norm is None
+    for window in range(3):
+        x, y = _data(8, seed=window)
+        for k in range(2):
+            torch.nn.functional.mse_loss(model(x[4 * k: 4 * k + 4]), y[4 * k: 4 * k + 4]).backward()
+            opt.step()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert isinstance(opt.last_grad_norm, float)
+        assert opt.last_grad_norm == pytest.approx(ref_norm.item(), rel=1e-6)
+        assert (ref_norm.item() > max_norm) == (max_norm == 0.05)  # both branches exercised
+        assert _max_diff(model, ref) < 2e-6
+
+
+def test_bf16_master_weights_are_exact_fp32_accumulation():
+    steps = 64
+    seen = []
+
+    class Record(torch.optim.SGD):
+        """SGD that also records the gradient it is handed."""
+
+        def step(self, closure=None):
+            seen.extend(p.grad.detach().double().clone() for g in self.param_groups for p in g["params"])
+            return super().step(closure)
+
+    model = _mlp(dtype=torch.bfloat16, din=32, dh=64, dout=8)
+    grads_ref = copy.deepcopy(model)   # per-micro-batch bf16 grads, summed in fp64
+    plain = copy.deepcopy(model)       # stock: bf16 .grad accumulation
+    opt = FusedAccumOptimizer(Record(model.parameters(), lr=0.01), steps, master_weights=True)
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    # The inner optimizer holds fp32 masters, in the original order, equal to the params.
+    assert [m.dtype for m in masters] == [torch.float32] * 4
+    assert all(torch.equal(m, p.float()) for m, p in zip(masters, model.parameters()))
+    exact = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
+    g = torch.Generator().manual_seed(0)
+    for k in range(steps):
+        x = torch.randn(4, 32, generator=g).to(torch.bfloat16)
+        model(x).float().square().mean().backward()
+        for acc, gr in zip(exact, torch.autograd.grad(grads_ref(x).float().square().mean(),
+                                                      list(grads_ref.parameters()))):
+            acc += gr.double()
+        plain(x).float().square().mean().backward()
+        assert opt.step() == (k == steps - 1)
+    exact = [e / steps for e in exact]
+
+    def rel(got):
+        num = sum((a - b.double()).square().sum() for a, b in zip(exact, got))
+        return math.sqrt(num / sum(e.square().sum() for e in exact))
+
+    assert rel(seen) < 1e-6
+    assert rel([p.grad.double() / steps for p in plain.parameters()]) > 1e-4
+    # After the update the params are the masters rounded to bf16, bit for bit.
+    for p, m in zip(model.parameters(), masters):
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p, m.to(torch.bfloat16))
+        assert not torch.equal(m, m.to(torch.bfloat16).float())  # the master keeps more bits
+
+
+def test_non_finite_window_is_skipped():
+    model, clean = _mlp(), _mlp()
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    opt, clean_opt = FusedAccumOptimizer(make(model.parameters()), 2), FusedAccumOptimizer(make(clean.parameters()), 2)
+    before = copy.deepcopy(model.state_dict())
+    x, y = _data(4)
+    bad = x.clone()
+    bad[2, 0] = float("inf")
+    torch.nn.functional.mse_loss(model(x[:2]), y[:2]).backward()
+    assert opt.step() is False
+    torch.nn.functional.mse_loss(model(bad[2:]), y[2:]).backward()
+    with pytest.warns(UserWarning, match="non-finite"):
+        assert opt.step() is False
+    assert opt.skipped_steps == 1
+    assert not math.isfinite(opt.last_grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(before.values(), model.state_dict().values()))
+    assert len(opt.state) == 0  # AdamW never ran: no step counters, no moments
+    # The next window starts clean: it matches a run that never saw the bad window.
+    for m, o in ((model, opt), (clean, clean_opt)):
+        for k in range(2):
+            torch.nn.functional.mse_loss(m(x[2 * k: 2 * k + 2]), y[2 * k: 2 * k + 2]).backward()
+            o.step()
+    for a, b in zip(model.parameters(), clean.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("config", ["fp32_adamw", "bf16_master_items_clip"])
+def test_mid_window_resume_is_bit_exact(config):
+    bf16 = config != "fp32_adamw"
+    kw = dict(master_weights=True, normalize="items", max_grad_norm=0.5) if bf16 else {}
+    dtype = torch.bfloat16 if bf16 else torch.float32
+
+    def build():
+        m = _mlp(dtype=dtype)
+        return m, FusedAccumOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-2), 4, **kw)
+
+    def micro(m, o, i):
+        x, y = _data(3 + i % 2, seed=100 + i)
+        torch.nn.functional.mse_loss(m(x.to(dtype)).float(), y, reduction="sum").backward()
+        o.step(**({"num_items": x.shape[0]} if bf16 else {}))
+
+    ref, ref_opt = build()
+    for i in range(14):
+        micro(ref, ref_opt, i)
+    model, opt = build()
+    for i in range(6):  # one window and a half
+        micro(model, opt, i)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    del model, opt
+    buf.seek(0)
+    saved = torch.load(buf)
+    model, opt = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    assert opt.micro_step == 2
+    for i in range(6, 14):
+        micro(model, opt, i)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.param_groups[0]["params"], ref_opt.param_groups[0]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_lr_scheduler_and_shared_objects():
+    model, ref = _mlp(), _mlp()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    assert opt.param_groups is opt.optimizer.param_groups
+    assert opt.state is opt.optimizer.state
+    assert opt.defaults is opt.optimizer.defaults
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        for window in range(3):
+            x, y = _data(8, seed=window)
+            for k in range(2):
+                torch.nn.functional.mse_loss(model(x[4 * k: 4 * k + 4]), y[4 * k: 4 * k + 4]).backward()
+                if opt.step():
+                    sched.step()
+                opt.zero_grad()
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            ref_sched.step()
+            ref_opt.zero_grad()
+    assert opt.optimizer.param_groups[0]["lr"] == 0.1 * 0.5 ** 3
+    assert _max_diff(model, ref) < 2e-6
+    opt.param_groups[0]["lr"] = 0.25  # through the wrapper reaches the inner optimizer
+    assert opt.optimizer.param_groups[0]["lr"] == 0.25
+
+
+def test_unused_params_grads_arriving_twice_and_add_param_group():
+    torch.manual_seed(0)
+    a, unused, extra = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    mods = torch.nn.ModuleList([a, unused, extra])
+    ref = copy.deepcopy(mods)
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.5)  # noqa: E731
+    opt = FusedAccumOptimizer(make(list(mods[0].parameters()) + list(mods[1].parameters())), 2)
+    ref_opt = make(list(ref[0].parameters()) + list(ref[1].parameters()))
+    frozen_before = [p.clone() for p in unused.parameters()]
+
+    def run(ms, o, stock, x):
+        for k in range(2):
+            xb = x[4 * k: 4 * k + 4]
+            # `a` is used by two separate backward passes: its grad arrives twice per micro-batch.
+            l1 = ms[0](xb).square().mean() / (1 if not stock else 2)
+            l2 = ms[2](ms[0](xb)).mean() / (1 if not stock else 2)
+            l1.backward()
+            l2.backward()
+            if not stock:
+                o.step()
+                o.zero_grad()
+        if stock:
+            o.step()
+            o.zero_grad()
+
+    for window in range(2):
+        x = _data(8, seed=window)[0]
+        run(mods, opt, False, x)
+        run(ref, ref_opt, True, x)
+        if window == 0:
+            opt.add_param_group({"params": list(extra.parameters()), "lr": 5e-3})
+            ref_opt.add_param_group({"params": list(ref[2].parameters()), "lr": 5e-3})
+    # A parameter without a gradient in a window gets none from the wrapper either: no decay.
+    assert all(torch.equal(p, q) for p, q in zip(unused.parameters(), frozen_before))
+    assert all(p not in opt.state for p in unused.parameters())
+    assert _max_diff(mods, ref) < 2e-6
+
+
+def test_manual_grads_are_folded_and_zero_grad_keeps_window():
+    model, ref = _mlp(), _mlp()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # set by hand: no hook fires
+    assert opt.step() is False
+    opt.zero_grad(set_to_none=False)
+    opt.zero_grad()
+    x, y = _data(4)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    assert opt.step() is True
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    for p in ref.parameters():
+        p.grad = (p.grad + 1) / 2
+    ref_opt.step()
+    assert _max_diff(model, ref) < 1e-7
+
+
+def test_frozen_then_unfrozen_param_is_an_error():
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    model[0].weight.requires_grad_(True)
+    model(torch.randn(2, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        opt.step()
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(optimizer="sgd"), TypeError, "optimizer"),
+    (dict(optimizer=torch.nn.Linear(2, 2)), TypeError, "optimizer"),
+    (dict(accum_steps=0), ValueError, "accum_steps"),
+    (dict(accum_steps=-3), ValueError, "accum_steps"),
+    (dict(accum_steps=2.0), ValueError, "accum_steps"),
+    (dict(accum_steps="4"), ValueError, "accum_steps"),
+    (dict(accum_steps=True), ValueError, "accum_steps"),
+    (dict(normalize="sum"), ValueError, "normalize"),
+    (dict(normalize=None), ValueError, "normalize"),
+    (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
+    (dict(max_grad_norm=-1), ValueError, "max_grad_norm"),
+    (dict(max_grad_norm=float("nan")), ValueError, "max_grad_norm"),
+    (dict(max_grad_norm="1"), ValueError, "max_grad_norm"),
+    (dict(master_weights="yes"), TypeError, "master_weights"),
+    (dict(process_group=object()), ValueError, "process_group"),
+])
+def test_bad_arguments(kwargs, exc, name):
+    args = dict(optimizer=torch.optim.SGD(_mlp().parameters(), lr=0.1), accum_steps=4)
+    args.update(kwargs)
+    with pytest.raises(exc, match=name):
+        FusedAccumOptimizer(args.pop("optimizer"), args.pop("accum_steps"), **args)
+
+
+def test_bad_parameters():
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        FusedAccumOptimizer(torch.optim.SGD(_mlp(dtype=torch.float64).parameters(), lr=0.1), 2)
+    inner = FusedAccumOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1), 2)
+    with pytest.raises(TypeError, match="optimizer"):
+        FusedAccumOptimizer(inner, 2)
