@@ -1,0 +1,539 @@
+// Activation store: parks tensors in a pool of host buffers and brings them back, for
+// offloading saved activations (issue 7). Registered as the TorchScript class
+// torch.classes.gradaccel.ActivationStore; gradaccel/offload.py is the Python API.
+//
+// CUDA tensors: device-to-host copies go to pinned buffers on a side stream and
+// host-to-device copies on another, ordered by events, so the compute stream never waits on a
+// copy except where fetch() hands the tensor back. CPU tensors run the same logic with
+// synchronous memcpy and events that are complete at birth, so it is all tested without a GPU.
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "store.h"
+
+namespace gradaccel {
+namespace {
+
+// Eight size classes per power of two: a buffer wastes under 12.5 %, and a tensor of the same
+// size as one released earlier always finds that buffer again, so steady steps never grow the pool.
+std::size_t size_class(std::size_t nbytes) {
+  constexpr std::size_t kMin = 512;
+  if (nbytes <= kMin) return kMin;
+  const std::size_t pow2 = std::size_t{1} << (63 - __builtin_clzll(nbytes - 1));  // pow2 < n <= 2 pow2
+  const std::size_t step = pow2 / 8;
+  return (nbytes + step - 1) / step * step;
+}
+
+#ifdef GRADACCEL_WITH_CUDA
+void cuda_check(int code, const char* what) {
+  TORCH_CHECK(code == 0, "gradaccel ActivationStore: ", what, " failed: ", store_cuda::error_string(code));
+}
+
+const c10::impl::DeviceGuardImplInterface* cuda_impl() {
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+}
+
+void* native(const c10::Stream& stream) { return cuda_impl()->getStreamNativeHandle(stream); }
+#endif
+
+// Completion of one copy. A CUDA event; or, for CPU copies (synchronous), a flag that is
+// complete at birth unless a test deferred it to exercise the paths that wait for copies.
+class Event {
+ public:
+  Event() = default;
+  static Event cpu(bool pending) {
+    Event e;
+    e.cpu_pending_ = pending;
+    return e;
+  }
+#ifdef GRADACCEL_WITH_CUDA
+  static Event record(void* stream) {
+    Event e;
+    cuda_check(store_cuda::event_create(&e.cuda_), "cudaEventCreate");
+    cuda_check(store_cuda::event_record(e.cuda_, stream), "cudaEventRecord");
+    return e;
+  }
+#endif
+  Event(Event&& o) noexcept : cuda_(o.cuda_), cpu_pending_(o.cpu_pending_) { o.cuda_ = nullptr; }
+  Event& operator=(Event&& o) noexcept {
+    if (this != &o) {
+      destroy();
+      cuda_ = o.cuda_;
+      cpu_pending_ = o.cpu_pending_;
+      o.cuda_ = nullptr;
+    }
+    return *this;
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  ~Event() { destroy(); }
+
+  bool recorded() const { return cuda_ != nullptr || cpu_pending_; }
+
+  // True once the copy is done; never blocks.
+  bool query() const {
+#ifdef GRADACCEL_WITH_CUDA
+    if (cuda_) {
+      bool done = false;
+      cuda_check(store_cuda::event_query(cuda_, &done), "cudaEventQuery");
+      return done;
+    }
+#endif
+    return !cpu_pending_;
+  }
+
+  // The host waits for the copy.
+  void synchronize() {
+#ifdef GRADACCEL_WITH_CUDA
+    if (cuda_) cuda_check(store_cuda::event_synchronize(cuda_), "cudaEventSynchronize");
+#endif
+    cpu_pending_ = false;
+  }
+
+  // Work queued on `stream` from now on runs after the copy (a CPU "stream" is the host).
+  void block(void* stream) {
+#ifdef GRADACCEL_WITH_CUDA
+    if (cuda_ && stream) {
+      cuda_check(store_cuda::stream_wait_event(stream, cuda_), "cudaStreamWaitEvent");
+      return;
+    }
+#endif
+    (void)stream;
+    synchronize();
+  }
+
+ private:
+  void destroy() noexcept {
+#ifdef GRADACCEL_WITH_CUDA
+    // A pending event may be destroyed: CUDA frees it once it completes.
+    if (cuda_) store_cuda::event_destroy(cuda_);
+#endif
+    cuda_ = nullptr;
+  }
+
+  void* cuda_ = nullptr;
+  bool cpu_pending_ = false;
+};
+
+struct Buffer {
+  void* ptr = nullptr;
+  std::size_t capacity = 0;
+};
+
+// One offloaded tensor.
+struct Entry {
+  Buffer buf;  // null for a tensor of 0 bytes
+  std::size_t nbytes = 0;
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
+  Event written;      // the device-to-host copy into buf is done
+  Event read;         // the latest host-to-device copy out of buf is done (it waited for `written`)
+  at::Tensor staged;  // brought back by prefetch(), not yet handed out by fetch()
+
+  Event& last_use() { return read.recorded() ? read : written; }
+};
+
+// Side streams of one CUDA device, taken from PyTorch's pool so that record_stream() knows them.
+struct Lanes {
+  c10::Stream d2h, h2d;
+  void* order = nullptr;  // event to make a side stream wait for the compute stream
+};
+
+class ActivationStore : public torch::CustomClassHolder {
+ public:
+  ActivationStore(int64_t host_budget, bool pin_memory) : budget_(host_budget), pin_(pin_memory) {
+    TORCH_CHECK(host_budget >= -1, "ActivationStore: host_budget must be >= 0 bytes (or -1 for no bound), got ",
+                host_budget);
+#ifndef GRADACCEL_WITH_CUDA
+    TORCH_CHECK(!pin_memory, "ActivationStore: pin_memory needs gradaccel built with CUDA");
+#endif
+  }
+
+  ~ActivationStore() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    // No buffer may go back to the system while a copy still reads or writes it.
+    for (auto& [handle, e] : entries_) {
+      e.last_use().synchronize();
+      if (e.buf.ptr) free_buffer(e.buf);
+    }
+    entries_.clear();
+    for (auto& p : pending_) {
+      p.second.synchronize();
+      free_buffer(p.first);
+    }
+    pending_.clear();
+    trim_to(0);
+#ifdef GRADACCEL_WITH_CUDA
+    for (auto& [index, lanes] : lanes_) store_cuda::event_destroy(lanes.order);
+#endif
+  }
+
+  // Starts copying `t` to a host buffer; returns its handle, or -1 when host_budget refuses the
+  // bytes (the caller keeps or recomputes the tensor). The caller may drop `t` right away.
+  int64_t offload(const at::Tensor& t) {
+    TORCH_CHECK(t.layout() == at::kStrided, "ActivationStore.offload: needs a strided tensor, got ", t.layout());
+    TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "ActivationStore.offload: needs a CPU or CUDA tensor, got ",
+                t.device());
+#ifndef GRADACCEL_WITH_CUDA
+    TORCH_CHECK(t.device().is_cpu(), "ActivationStore.offload: gradaccel was built without CUDA; rebuild it with CUDA to offload ",
+                t.device(), " tensors");
+#endif
+    TORCH_CHECK(t.device().is_cpu() || pin_,
+                "ActivationStore.offload: offloading a CUDA tensor needs a store with pin_memory=True");
+    std::lock_guard<std::mutex> lock(mu_);
+    // Raw bytes in memory order: dense layouts keep their strides; others become contiguous.
+    at::Tensor src = t.resolve_conj().resolve_neg();
+    if (!src.is_non_overlapping_and_dense()) src = src.contiguous();
+
+    Entry e;
+    e.nbytes = src.nbytes();
+    e.sizes = src.sizes().vec();
+    e.strides = src.strides().vec();
+    e.dtype = src.scalar_type();
+    e.device = src.device();
+    if (e.nbytes > 0) {
+      std::optional<Buffer> buf = acquire(e.nbytes);
+      if (!buf) {
+        ++refused_;
+        return -1;
+      }
+      e.buf = *buf;
+      try {
+        copy_to_host(e, src);
+      } catch (...) {
+        put_back(e.buf, Event());
+        throw;
+      }
+    }
+    const int64_t handle = next_handle_++;
+    bytes_in_use_ += e.nbytes;
+    bytes_offloaded_ += e.nbytes;
+    entries_.emplace(handle, std::move(e));
+    return handle;
+  }
+
+  // Starts bringing the tensor back to its device early (CUDA: asynchronously on a side stream).
+  void prefetch(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stage(entry(handle));
+  }
+
+  // The tensor back on its device: same shape, dtype and values; same strides if it was dense.
+  // The current stream waits for the copy; the host does not.
+  at::Tensor fetch(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Entry& e = entry(handle);
+    stage(e);
+    e.read.block(current_stream(e.device));
+    return std::move(e.staged);
+  }
+
+  // Gives the buffer back to the pool; it is reused once no copy reads it any more.
+  void release(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(handle);
+    TORCH_CHECK(it != entries_.end(), "ActivationStore.release: unknown or already released handle ", handle);
+    Entry e = std::move(it->second);
+    entries_.erase(it);
+    bytes_in_use_ -= e.nbytes;
+    if (e.staged.defined()) {
+      // Prefetched, never fetched: the compute stream must not reuse that memory before the copy into it ends.
+      e.read.block(current_stream(e.device));
+      e.staged.reset();
+    }
+    if (e.buf.ptr) put_back(e.buf, std::move(e.last_use()));
+  }
+
+  // Waits for every copy in flight; afterwards every released buffer is free for reuse.
+  void synchronize() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [handle, e] : entries_) {
+      e.written.synchronize();
+      e.read.synchronize();
+    }
+    for (auto& p : pending_) p.second.synchronize();
+    collect();
+  }
+
+  // Returns the idle buffers to the system; returns the bytes freed.
+  int64_t trim() {
+    std::lock_guard<std::mutex> lock(mu_);
+    collect();
+    const std::size_t before = reserved_;
+    trim_to(0);
+    return static_cast<int64_t>(before - reserved_);
+  }
+
+  c10::Dict<std::string, int64_t> stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    collect();
+    int64_t idle = 0, idle_bytes = 0;
+    for (auto& [cap, ptrs] : free_) {
+      idle += static_cast<int64_t>(ptrs.size());
+      idle_bytes += static_cast<int64_t>(cap * ptrs.size());
+    }
+    c10::Dict<std::string, int64_t> d;
+    d.insert("handles", static_cast<int64_t>(entries_.size()));
+    d.insert("bytes_in_use", static_cast<int64_t>(bytes_in_use_));
+    d.insert("bytes_reserved", static_cast<int64_t>(reserved_));
+    d.insert("bytes_idle", idle_bytes);
+    d.insert("buffers", buffers_);
+    d.insert("buffers_idle", idle);
+    d.insert("buffers_pending", static_cast<int64_t>(pending_.size()));
+    d.insert("hits", hits_);
+    d.insert("misses", misses_);
+    d.insert("waits", waits_);
+    d.insert("refused", refused_);
+    d.insert("alloc_failures", alloc_failures_);
+    d.insert("bytes_offloaded", static_cast<int64_t>(bytes_offloaded_));
+    d.insert("host_budget", budget_);
+    d.insert("pinned", pin_ ? 1 : 0);
+    return d;
+  }
+
+  // Test hooks. The next `n` host allocations fail as if the system refused them.
+  void fail_next_allocations(int64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_next_ = n;
+  }
+  // CPU copies report "still in flight" until something waits for them, like CUDA copies.
+  void defer_cpu_events(bool on) {
+    std::lock_guard<std::mutex> lock(mu_);
+    defer_cpu_ = on;
+  }
+
+ private:
+  Entry& entry(int64_t handle) {
+    auto it = entries_.find(handle);
+    TORCH_CHECK(it != entries_.end(), "ActivationStore: unknown or already released handle ", handle);
+    return it->second;
+  }
+
+  // ---- host buffer pool -------------------------------------------------------------------
+
+  // A buffer for `nbytes`: an idle one of the same class, else one of that class that a copy
+  // still reads (waiting for the copy rather than growing the pool), else a new one if
+  // host_budget allows (idle buffers of other classes are freed to make room). nullopt: the
+  // budget refuses. Throws c10::OutOfMemoryError if the system refuses the memory.
+  std::optional<Buffer> acquire(std::size_t nbytes) {
+    const std::size_t cap = size_class(nbytes);
+    collect();
+    auto idle = free_.find(cap);
+    if (idle != free_.end() && !idle->second.empty()) {
+      void* ptr = idle->second.back();
+      idle->second.pop_back();
+      ++hits_;
+      return Buffer{ptr, cap};
+    }
+    for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+      if (it->first.capacity != cap) continue;
+      it->second.synchronize();
+      Buffer buf = it->first;
+      pending_.erase(it);
+      ++hits_;
+      ++waits_;
+      return buf;
+    }
+    if (budget_ >= 0) {
+      const auto budget = static_cast<std::size_t>(budget_);
+      if (cap > budget) return std::nullopt;
+      if (reserved_ + cap > budget) trim_to(budget - cap);
+      if (reserved_ + cap > budget) return std::nullopt;
+    }
+    void* ptr = allocate(cap);
+    if (!ptr && !free_.empty()) {  // idle buffers of other sizes may be what the system misses
+      trim_to(0);
+      ptr = allocate(cap);
+    }
+    if (!ptr) {
+      ++alloc_failures_;
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "gradaccel ActivationStore: could not allocate ", cap, " bytes of ",
+                       pin_ ? "pinned host" : "host", " memory (", reserved_,
+                       " bytes already held by the store); the store is unchanged and still usable");
+    }
+    reserved_ += cap;
+    ++buffers_;
+    ++misses_;
+    return Buffer{ptr, cap};
+  }
+
+  void* allocate(std::size_t cap) {
+    if (fail_next_ > 0) {
+      --fail_next_;
+      return nullptr;
+    }
+#ifdef GRADACCEL_WITH_CUDA
+    if (pin_) {
+      void* ptr = nullptr;
+      return store_cuda::host_alloc(&ptr, cap) == 0 ? ptr : nullptr;
+    }
+#endif
+    return std::malloc(cap);
+  }
+
+  void free_buffer(const Buffer& buf) noexcept {
+#ifdef GRADACCEL_WITH_CUDA
+    if (pin_) {
+      store_cuda::host_free(buf.ptr);
+    } else {
+      std::free(buf.ptr);
+    }
+#else
+    std::free(buf.ptr);
+#endif
+    reserved_ -= buf.capacity;
+    --buffers_;
+  }
+
+  // Back to the pool: idle now if no copy reads it, else once `last_use` completes.
+  void put_back(const Buffer& buf, Event last_use) {
+    if (last_use.query()) {
+      free_[buf.capacity].push_back(buf.ptr);
+    } else {
+      pending_.emplace_back(buf, std::move(last_use));
+    }
+  }
+
+  // Pending buffers whose copies have finished become idle.
+  void collect() {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->second.query()) {
+        free_[it->first.capacity].push_back(it->first.ptr);
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // Frees idle buffers, largest first, until at most `limit` bytes are reserved.
+  void trim_to(std::size_t limit) {
+    for (auto it = free_.rbegin(); it != free_.rend() && reserved_ > limit; ++it) {
+      auto& ptrs = it->second;
+      while (!ptrs.empty() && reserved_ > limit) {
+        free_buffer(Buffer{ptrs.back(), it->first});
+        ptrs.pop_back();
+      }
+    }
+    std::erase_if(free_, [](const auto& kv) { return kv.second.empty(); });
+  }
+
+  // ---- copies -------------------------------------------------------------------------------
+
+  void copy_to_host(Entry& e, const at::Tensor& src) {
+    if (src.device().is_cpu()) {
+      std::memcpy(e.buf.ptr, src.const_data_ptr(), e.nbytes);
+      e.written = Event::cpu(defer_cpu_);
+      return;
+    }
+#ifdef GRADACCEL_WITH_CUDA
+    c10::DeviceGuard guard(src.device());
+    Lanes& lanes = lanes_for(src.device());
+    wait_for_compute(lanes, lanes.d2h);  // src is produced by work queued on the compute stream
+    cuda_check(store_cuda::copy_async(e.buf.ptr, src.const_data_ptr(), e.nbytes, /*to_host=*/true, native(lanes.d2h)),
+               "device-to-host cudaMemcpyAsync");
+    e.written = Event::record(native(lanes.d2h));
+    // The caller may free src now: the caching allocator keeps its block until the copy is done.
+    src.record_stream(lanes.d2h);
+#endif
+  }
+
+  // Makes sure e.staged holds the tensor on its device (or a copy into it is under way).
+  void stage(Entry& e) {
+    if (e.staged.defined()) return;
+    at::Tensor dst = at::empty_strided(e.sizes, e.strides, at::TensorOptions().dtype(e.dtype).device(e.device));
+    if (e.nbytes > 0) {
+      if (e.device.is_cpu()) {
+        e.written.synchronize();
+        std::memcpy(dst.mutable_data_ptr(), e.buf.ptr, e.nbytes);
+        e.read = Event::cpu(defer_cpu_);
+      } else {
+#ifdef GRADACCEL_WITH_CUDA
+        c10::DeviceGuard guard(e.device);
+        Lanes& lanes = lanes_for(e.device);
+        // dst's block may come from tensors that work still queued on the compute stream uses.
+        wait_for_compute(lanes, lanes.h2d);
+        e.written.block(native(lanes.h2d));
+        cuda_check(store_cuda::copy_async(dst.mutable_data_ptr(), e.buf.ptr, e.nbytes, /*to_host=*/false,
+                                          native(lanes.h2d)),
+                   "host-to-device cudaMemcpyAsync");
+        e.read = Event::record(native(lanes.h2d));
+#endif
+      }
+    }
+    e.staged = std::move(dst);
+  }
+
+  void* current_stream(const at::Device& device) {
+#ifdef GRADACCEL_WITH_CUDA
+    if (device.is_cuda()) return native(cuda_impl()->getStream(device));
+#endif
+    (void)device;
+    return nullptr;
+  }
+
+#ifdef GRADACCEL_WITH_CUDA
+  Lanes& lanes_for(const at::Device& device) {
+    auto it = lanes_.find(device.index());
+    if (it != lanes_.end()) return it->second;
+    const auto* impl = cuda_impl();
+    Lanes lanes{impl->getStreamFromGlobalPool(device), impl->getStreamFromGlobalPool(device), nullptr};
+    cuda_check(store_cuda::event_create(&lanes.order), "cudaEventCreate");
+    return lanes_.emplace(device.index(), lanes).first->second;
+  }
+
+  // `side` runs what is queued on it from now on after the work queued so far on the compute stream.
+  void wait_for_compute(Lanes& lanes, const c10::Stream& side) {
+    cuda_check(store_cuda::event_record(lanes.order, native(cuda_impl()->getStream(side.device()))), "cudaEventRecord");
+    cuda_check(store_cuda::stream_wait_event(native(side), lanes.order), "cudaStreamWaitEvent");
+  }
+
+  std::unordered_map<c10::DeviceIndex, Lanes> lanes_;
+#endif
+
+  std::mutex mu_;
+  const int64_t budget_;  // bytes of host buffers the store may hold; -1 = no bound
+  const bool pin_;
+  bool defer_cpu_ = false;
+  int64_t fail_next_ = 0;
+
+  std::map<int64_t, Entry> entries_;
+  int64_t next_handle_ = 0;
+  std::map<std::size_t, std::vector<void*>> free_;  // idle buffers by size class
+  std::deque<std::pair<Buffer, Event>> pending_;    // released, but a copy may still read them
+
+  std::size_t bytes_in_use_ = 0, reserved_ = 0, bytes_offloaded_ = 0;
+  int64_t buffers_ = 0, hits_ = 0, misses_ = 0, waits_ = 0, refused_ = 0, alloc_failures_ = 0;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gradaccel, m) {
+  m.class_<ActivationStore>("ActivationStore")
+      .def(torch::init<int64_t, bool>())
+      .def("offload", &ActivationStore::offload)
+      .def("prefetch", &ActivationStore::prefetch)
+      .def("fetch", &ActivationStore::fetch)
+      .def("release", &ActivationStore::release)
+      .def("synchronize", &ActivationStore::synchronize)
+      .def("trim", &ActivationStore::trim)
+      .def("stats", &ActivationStore::stats)
+      .def("_fail_next_allocations", &ActivationStore::fail_next_allocations)
+      .def("_defer_cpu_events", &ActivationStore::defer_cpu_events);
+}
+
+}  // namespace gradaccel
