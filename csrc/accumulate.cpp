@@ -1,0 +1,279 @@
+// Gradient accumulation into fp32 buffers: CPU kernels, Meta (shape-only) kernels, and the one
+// TORCH_LIBRARY block that declares every gradaccel op. Other files add ops with
+// TORCH_LIBRARY_FRAGMENT(gradaccel, m). The CUDA kernels of these ops are Triton, registered
+// from Python (gradaccel/ops.py).
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+namespace gradaccel {
+namespace {
+
+// Elements per parallel task. Fixed (not per thread) so that finalize's partial sums, and
+// hence its result, do not depend on the number of threads.
+constexpr int64_t kChunk = 1 << 16;
+
+inline float load_float(float x) { return x; }
+// bf16 is the top half of an fp32: a shift the compiler vectorises.
+inline float load_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float load_float(c10::Half x) { return static_cast<float>(x); }
+
+// acc[i] += float(g[i]) * s, written as a product then a sum (no FMA contraction in ISO C++).
+template <typename T>
+void axpy(float* __restrict acc, const T* __restrict g, float s, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += load_float(g[i]) * s;
+}
+
+void axpy_dispatch(float* acc, const void* g, at::ScalarType dtype, float s, int64_t n) {
+  switch (dtype) {
+    case at::kFloat: return axpy(acc, static_cast<const float*>(g), s, n);
+    case at::kBFloat16: return axpy(acc, static_cast<const c10::BFloat16*>(g), s, n);
+    case at::kHalf: return axpy(acc, static_cast<const c10::Half*>(g), s, n);
+    default: TORCH_CHECK(false, "gradaccel: unsupported grad dtype ", dtype);
+  }
+}
+
+void check_grad_dtype(const at::Tensor& grad, const char* what) {
+  auto dt = grad.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "gradaccel: ", what,
+              " must be float32, bfloat16 or float16, got ", dt,
+              " (integer or other dtypes have no gradient to accumulate; cast it first)");
+}
+
+void check_pair(const at::Tensor& acc, const at::Tensor& grad) {
+  TORCH_CHECK(acc.scalar_type() == at::kFloat, "gradaccel.scale_accumulate_: acc must be float32 ",
+              "(the fp32 accumulation buffer), got ", acc.scalar_type());
+  check_grad_dtype(grad, "scale_accumulate_: grad");
+  TORCH_CHECK(acc.device() == grad.device(), "gradaccel.scale_accumulate_: acc and grad must be on ",
+              "the same device, got acc on ", acc.device(), " and grad on ", grad.device());
+  TORCH_CHECK(acc.sym_sizes() == grad.sym_sizes(), "gradaccel.scale_accumulate_: grad must have ",
+              "acc's shape ", acc.sym_sizes(), ", got ", grad.sym_sizes());
+}
+
+// Any strides: TensorIterator coalesces dims, splits work across threads, and hands us
+// 2-D loops whose inner stride is usually the element size.
+void scale_accumulate_strided(const at::Tensor& acc, const at::Tensor& grad, float s) {
+  auto iter = at::TensorIteratorConfig()
+                  .add_output(acc)
+                  .add_const_input(acc)
+                  .add_const_input(grad)
+                  .check_all_same_dtype(false)
+                  .resize_outputs(false)
+                  .build();
+  const auto dtype = grad.scalar_type();
+  iter.for_each([&](char** data, const int64_t* strides, int64_t n0, int64_t n1) {
+    for (int64_t j = 0; j < n1; ++j) {
+      char* out = data[0] + j * strides[3];
+      const char* in = data[1] + j * strides[4];
+      const char* g = data[2] + j * strides[5];
+      const int64_t gsize = c10::elementSize(dtype);
+      if (strides[0] == 4 && strides[1] == 4 && strides[2] == gsize && out == in) {
+        axpy_dispatch(reinterpret_cast<float*>(out), g, dtype, s, n0);
+        continue;
+      }
+      for (int64_t i = 0; i < n0; ++i) {
+        float gv;
+        const char* gp = g + i * strides[2];
+        switch (dtype) {
+          case at::kFloat: gv = *reinterpret_cast<const float*>(gp); break;
+          case at::kBFloat16: gv = load_float(*reinterpret_cast<const c10::BFloat16*>(gp)); break;
+          default: gv = load_float(*reinterpret_cast<const c10::Half*>(gp)); break;
+        }
+        *reinterpret_cast<float*>(out + i * strides[0]) =
+            *reinterpret_cast<const float*>(in + i * strides[1]) + gv * s;
+      }
+    }
+  }, kChunk);
+}
+
+void scale_accumulate_cpu(const at::Tensor& acc, const at::Tensor& grad, double scale) {
+  check_pair(acc, grad);
+  at::assert_no_internal_overlap(acc);
+  at::assert_no_partial_overlap(acc, grad);
+  const int64_t n = acc.numel();
+  if (n == 0) return;
+  const float s = static_cast<float>(scale);
+  if (acc.is_contiguous() && grad.is_contiguous()) {
+    float* a = acc.data_ptr<float>();
+    const char* g = static_cast<const char*>(grad.const_data_ptr());
+    const auto dtype = grad.scalar_type();
+    const int64_t gsize = grad.element_size();
+    at::parallel_for(0, n, kChunk, [&](int64_t begin, int64_t end) {
+      axpy_dispatch(a + begin, g + begin * gsize, dtype, s, end - begin);
+    });
+    return;
+  }
+  scale_accumulate_strided(acc, grad, s);
+}
+
+void check_fold(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets) {
+  TORCH_CHECK(flat.scalar_type() == at::kFloat, "gradaccel.fold_: flat must be float32, got ",
+              flat.scalar_type());
+  TORCH_CHECK(flat.dim() == 1, "gradaccel.fold_: flat must be 1-D, got shape ", flat.sym_sizes());
+  TORCH_CHECK(grads.size() == offsets.size(), "gradaccel.fold_: got ", grads.size(), " grads but ",
+              offsets.size(), " offsets; pass one offset per grad");
+  for (size_t i = 0; i < grads.size(); ++i) {
+    check_grad_dtype(grads[i], "fold_: every grad");
+    TORCH_CHECK(grads[i].device() == flat.device(), "gradaccel.fold_: grads[", i, "] is on ",
+                grads[i].device(), " but flat is on ", flat.device());
+  }
+}
+
+void fold_cpu(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets, double scale) {
+  check_fold(flat, grads, offsets);
+  TORCH_CHECK(flat.is_contiguous(), "gradaccel.fold_: flat must be contiguous");
+  const int64_t total = flat.numel();
+  // Slices must be in bounds and disjoint: the chunks below run in parallel.
+  std::vector<size_t> order(grads.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return offsets[a] < offsets[b]; });
+  int64_t end_prev = 0;
+  for (size_t i : order) {
+    const int64_t n = grads[i].numel();
+    if (n == 0) continue;
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] <= total - n, "gradaccel.fold_: grads[", i,
+                "] (", n, " elements) at offset ", offsets[i], " does not fit in flat (", total,
+                " elements)");
+    TORCH_CHECK(offsets[i] >= end_prev, "gradaccel.fold_: the slice of grads[", i, "] at offset ",
+                offsets[i], " overlaps the previous grad's slice (ending at ", end_prev,
+                "); slices must be disjoint");
+    end_prev = offsets[i] + n;
+  }
+  const float s = static_cast<float>(scale);
+  float* base = flat.data_ptr<float>();
+  struct Chunk {
+    float* acc;
+    const char* grad;
+    at::ScalarType dtype;
+    int64_t n;
+  };
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    const int64_t n = g.numel();
+    if (n == 0) continue;
+    if (!g.is_contiguous()) {
+      scale_accumulate_strided(flat.narrow(0, offsets[i], n).view(g.sizes()), g, s);
+      continue;
+    }
+    const char* gp = static_cast<const char*>(g.const_data_ptr());
+    const int64_t gsize = g.element_size();
+    for (int64_t start = 0; start < n; start += kChunk) {
+      chunks.push_back({base + offsets[i] + start, gp + start * gsize, g.scalar_type(),
+                        std::min(kChunk, n - start)});
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      axpy_dispatch(chunks[c].acc, chunks[c].grad, chunks[c].dtype, s, chunks[c].n);
+    }
+  });
+}
+
+void check_finalize(const at::Tensor& flat, const at::Tensor& scale) {
+  TORCH_CHECK(flat.scalar_type() == at::kFloat, "gradaccel.finalize_: flat must be float32, got ",
+              flat.scalar_type());
+  TORCH_CHECK(scale.dim() == 0, "gradaccel.finalize_: scale must be a 0-d tensor, got shape ",
+              scale.sym_sizes());
+  TORCH_CHECK(at::isFloatingType(scale.scalar_type()), "gradaccel.finalize_: scale must be a ",
+              "floating-point tensor, got ", scale.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> finalize_cpu(const at::Tensor& flat, const at::Tensor& scale) {
+  check_finalize(flat, scale);
+  TORCH_CHECK(flat.is_contiguous(), "gradaccel.finalize_: flat must be contiguous");
+  TORCH_CHECK(scale.device().is_cpu(), "gradaccel.finalize_: scale is on ", scale.device(),
+              " but flat is on the CPU");
+  const float s = scale.item<float>();
+  const int64_t n = flat.numel();
+  const int64_t nchunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> sq(nchunks, 0.0);
+  std::vector<uint32_t> bad(nchunks, 0);
+  float* a = flat.data_ptr<float>();
+  at::parallel_for(0, nchunks, 1, [&](int64_t begin, int64_t end) {
+    constexpr int kLanes = 8;  // independent sums: a single fp64 sum is latency-bound
+    for (int64_t c = begin; c < end; ++c) {
+      float* x = a + c * kChunk;
+      const int64_t len = std::min(kChunk, n - c * kChunk);
+      double lanes[kLanes] = {};
+      uint32_t any = 0;
+      int64_t i = 0;
+      for (; i + kLanes <= len; i += kLanes) {
+        for (int j = 0; j < kLanes; ++j) {
+          const float v = x[i + j] * s;
+          x[i + j] = v;
+          lanes[j] += static_cast<double>(v) * static_cast<double>(v);
+          uint32_t bits;
+          std::memcpy(&bits, &v, sizeof(bits));
+          any |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);  // exponent all ones
+        }
+      }
+      for (; i < len; ++i) {
+        const float v = x[i] * s;
+        x[i] = v;
+        lanes[0] += static_cast<double>(v) * static_cast<double>(v);
+        any |= static_cast<uint32_t>(!std::isfinite(v));
+      }
+      double total = 0.0;
+      for (double l : lanes) total += l;
+      sq[c] = total;
+      bad[c] = any;
+    }
+  });
+  double total = 0.0;
+  uint32_t any = 0;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    total += sq[c];
+    any |= bad[c];
+  }
+  return {at::scalar_tensor(static_cast<float>(total), flat.options()),
+          at::scalar_tensor(any != 0, flat.options().dtype(at::kBool))};
+}
+
+// Meta: dtype/shape/device checks only, so tracing (FakeTensor, torch.compile) sees the same
+// errors as eager without touching data.
+void scale_accumulate_meta(const at::Tensor& acc, const at::Tensor& grad, double) {
+  check_pair(acc, grad);
+}
+void fold_meta(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets, double) {
+  check_fold(flat, grads, offsets);
+}
+std::tuple<at::Tensor, at::Tensor> finalize_meta(const at::Tensor& flat, const at::Tensor& scale) {
+  check_finalize(flat, scale);
+  return {at::empty({}, flat.options()), at::empty({}, flat.options().dtype(at::kBool))};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(gradaccel, m) {
+  m.def("scale_accumulate_(Tensor(a!) acc, Tensor grad, float scale) -> ()");
+  m.def("fold_(Tensor(a!) flat, Tensor[] grads, int[] offsets, float scale) -> ()");
+  m.def("finalize_(Tensor(a!) flat, Tensor scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(gradaccel, CPU, m) {
+  m.impl("scale_accumulate_", &scale_accumulate_cpu);
+  m.impl("fold_", &fold_cpu);
+  m.impl("finalize_", &finalize_cpu);
+}
+
+TORCH_LIBRARY_IMPL(gradaccel, Meta, m) {
+  m.impl("scale_accumulate_", &scale_accumulate_meta);
+  m.impl("fold_", &fold_meta);
+  m.impl("finalize_", &finalize_meta);
+}
+
+}  // namespace gradaccel
