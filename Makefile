@@ -6,14 +6,16 @@ EXTRAS ?= test,hf
 # The CPU build of torch that this machine installs from a local file, without a download.
 TORCH_CPU ?= torch==2.13.0
 STAMP  := $(VENV)/.gradaccel-installed
-EXT    := $(VENV)/.gradaccel-built
-SOURCES := pyproject.toml setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 NVCC   ?= nvcc
 CUDA_ARCHS := -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90
 
 .PHONY: install test cuda-check bench clean
 
-install: $(EXT)
+# The extension is rebuilt in place on every install: build/ is kept, so ninja recompiles only
+# what changed and a no-op takes seconds. (A stamp file would miss an edit made mid-build.)
+# flock: several shells may build the one extension at once.
+install: $(STAMP)
+	flock $(VENV)/.build.lock $(PY) setup.py -q build_ext --inplace
 
 # A machine whose python already has a CUDA torch keeps it (the venv sees the system packages);
 # anywhere else the venv gets the pinned CPU build before anything can pull in a CUDA wheel.
@@ -28,12 +30,6 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml setup.py
 	flock $(VENV)/.build.lock $(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
-
-# The extension, in place: build/ is kept, so ninja recompiles only what changed.
-# flock: several shells may build the one extension at once.
-$(EXT): $(STAMP) $(SOURCES)
-	flock $(VENV)/.build.lock $(PY) setup.py -q build_ext --inplace
-	@touch $(EXT)
 
 test: install
 	@if command -v $(NVCC) >/dev/null 2>&1; then $(MAKE) --no-print-directory cuda-check; fi

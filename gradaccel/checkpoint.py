@@ -1,16 +1,413 @@
-"""PLACEHOLDER: gradaccel.checkpoint with the final signature, delegating to torch for now.
+"""``gradaccel.checkpoint``: activation checkpointing that keeps what fits a memory budget.
 
-Being replaced by the budgeted selective-recompute implementation (issue 4).
+How it works, per region (a callable) and input signature:
+
+1. The first call runs the real forward as a full recompute (every saved activation that can
+   be rebuilt is dropped, so the budget holds from the first step) while a dispatch mode
+   records its aten ops, the bytes of every storage and what autograd saves
+   (gradaccel/_trace.py). At its end the C++ planner picks what to keep (gradaccel/_plan.py).
+2. Later calls run the forward with no dispatch mode at all: a saved-tensor pack hook keeps or
+   drops the k-th saved tensor as the plan says. That hook is the whole per-call overhead.
+3. Backward unpacks a dropped tensor: the frame replays only the recorded ops that the dropped
+   tensors need, from kept tensors and inputs, and hands each one back.
+
+A region whose trace reads data into Python (``.item()``, data-dependent shapes) cannot be
+replayed from a trace: later calls use ``torch.utils.checkpoint`` (or keep all, if it fits).
 """
 
+import functools
+import math
+import types
+import warnings
+import weakref
+
+import torch
 import torch.utils.checkpoint as _tc
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_flatten
+
+from gradaccel._plan import Plan, _view, capture_rng, make_plan, rng_bytes
+from gradaccel._trace import Graph, Recorder
+
+__all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
+
+_TORCH_ONLY_KWARGS = ("context_fn", "determinism_check", "debug", "early_stop")
+_warned: set = set()
 
 
+def _warn_once(tag: str, message: str) -> None:
+    if tag not in _warned:
+        _warned.add(tag)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _check_budget(budget):
+    """``None``/``0.0``; a float in (0, 1]; a non-negative ``int`` of bytes. Else ValueError."""
+    if budget is None:
+        return 0.0
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budget must be None, a float in [0, 1] or an int number of bytes, got {budget!r}")
+    if isinstance(budget, float) and (math.isnan(budget) or not 0.0 <= budget <= 1.0):
+        raise ValueError(f"budget as a fraction must lie in [0, 1], got {budget!r}")
+    if isinstance(budget, int) and budget < 0:
+        raise ValueError(f"budget in bytes must be >= 0, got {budget!r}")
+    return budget
+
+
+# -- regions: one per (callable, input signature) --------------------------------------------
+class _Region:
+    """A traced region, its plan and counters, for one callable and one input signature."""
+
+    def __init__(self, name: str, graph: Graph, budget, flat_args: list):
+        self.name = name
+        self.graph = graph
+        self.budget = budget
+        self.signature = ", ".join(
+            f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in flat_args if isinstance(t, torch.Tensor))
+        self.calls = 1
+        self.plan: Plan | None = None
+        if not graph.dynamic:
+            self.plan = self._plan()
+
+    def budget_bytes(self, total: int) -> int:
+        return self.budget if isinstance(self.budget, int) else int(self.budget * total)
+
+    def _plan(self) -> Plan:
+        plan = make_plan(self.graph, self.budget_bytes(_total_bytes(self.graph)))
+        if plan.uses_rng:  # the saved generator state is held by the region too: it counts
+            plan = make_plan(self.graph, max(0, plan.budget_bytes - rng_bytes(self.graph)))
+        return plan
+
+
+def _total_bytes(graph: Graph) -> int:
+    packed = {p.storage for p in graph.packs}
+    return sum(graph.storages[s].nbytes for s in packed
+               if graph.storages[s].creator >= 0 and s not in graph.outputs)
+
+
+_REGIONS = weakref.WeakKeyDictionary()  # owner (module or function) -> {signature: _Region}
+_ALL: list = []  # weak references to every region, in creation order, for plan_report()
+
+
+def reset_plans() -> None:
+    """Forgets every trace and plan: each region is traced again on its next call."""
+    _REGIONS.clear()
+    _ALL.clear()
+
+
+def _owner(fn):
+    """What a plan is cached on: the bound object (a module) and function, or the callable."""
+    bound = getattr(fn, "__self__", None)
+    if bound is not None and not isinstance(bound, types.ModuleType):
+        return bound, getattr(fn, "__func__", None)
+    return fn, None
+
+
+def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
+    parts = [func, spec, budget, preserve, getattr(owner, "training", None)]
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            parts.append((x.shape, x.dtype, x.device, x.requires_grad))
+        else:
+            try:
+                hash(x)
+                parts.append(x)
+            except TypeError:
+                parts.append((type(x), id(x)))
+    for kind in ("cpu", "cuda"):
+        parts.append((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)))
+    return tuple(parts)
+
+
+# -- frames: the state of one forward call until its backward is done ------------------------
+class _Frame:
+    """Keeps or drops each saved tensor as the plan says; rebuilds dropped ones on unpack."""
+
+    def __init__(self, plan: Plan, flat: list, rng):
+        self.plan = plan
+        self.leaves = {sid: flat[i] for sid, i in plan.arg_leaves}
+        self.pack_leaves = plan.pack_leaves
+        self.rng = rng
+        self.k = 0
+        self.diverged = False
+        self.results = None
+
+    def pack(self, t: torch.Tensor):
+        k = self.k
+        self.k = k + 1
+        plan = self.plan
+        if self.diverged or k >= len(plan.keep) or not _same_meta(t, plan.graph.packs[k]):
+            self.diverged = True  # not what the trace saw: keep it, and everything after it
+            return t.detach()
+        if plan.keep[k]:
+            kept = t.detach()  # detached: the tensor itself would make a reference cycle
+            sid = self.pack_leaves.get(k)
+            if sid is not None:
+                self.leaves[sid] = kept
+            return kept
+        return k
+
+    def unpack(self, x):
+        if type(x) is not int:
+            return x
+        if self.results is None or x not in self.results:
+            self.results = self.plan.replay(self.leaves, self.rng)
+        return self.results.pop(x)
+
+    def finish(self, out) -> bool:
+        """Attaches the outputs replay reads; False when the call diverged from the trace."""
+        if self.plan.out_leaves:
+            outs = tree_flatten(out)[0]
+            for sid, j in self.plan.out_leaves:
+                self.leaves[sid] = outs[j].detach()
+        return not self.diverged and self.k == len(self.plan.keep)
+
+
+class _TraceFrame(_Frame):
+    """The first call: records the graph and drops every saved tensor that can be rebuilt."""
+
+    def __init__(self, graph: Graph, flat: list, rng):
+        self.graph = graph
+        self.flat = flat
+        self.rng = rng
+        self.dropped: set = set()
+        self.kept: dict = {}
+        self.recorder = Recorder(graph)
+        self.plan = None
+        self.leaves = {}
+        self.results = None
+
+    def pack(self, t: torch.Tensor):
+        self.recorder.paused = True  # our own detach() is not part of the region
+        try:
+            graph = self.graph
+            sid = graph.add_pack(t)
+            k = len(graph.packs) - 1
+            if graph.storages[sid].creator >= 0 and graph.recomputable(graph.current(sid)):
+                self.dropped.add(sid)
+                return k
+            self.kept[k] = t.detach()
+            return self.kept[k]
+        finally:
+            self.recorder.paused = False
+
+    def finish(self, out) -> bool:
+        graph = self.graph
+        graph.finish(out)
+        self.strong = graph.take_externals()  # this call's backward may read them
+        self.plan = make_plan(graph, 0, dropped=self.dropped)
+        outs = tree_flatten(out)[0]
+        for sid, src in self.plan.leaf_sources.items():
+            kind, x = src
+            if kind == "arg":
+                self.leaves[sid] = self.flat[x]
+            elif kind == "pack":
+                self.leaves[sid] = self.kept[x]
+            elif kind == "out":
+                self.leaves[sid] = outs[x].detach()
+        # Outputs are held by the caller: what was dropped from them is taken back from there.
+        for s, j in graph.outputs.items():
+            self.leaves.setdefault(s, outs[j].detach())
+        self.flat = self.kept = None
+        return True
+
+    def unpack(self, x):
+        if type(x) is int and self.plan.keep[x]:  # an output's storage, dropped before it was one
+            p = self.graph.packs[x]
+            return _view(self.leaves[p.storage], p.size, p.stride, p.offset, p.dtype)
+        return super().unpack(x)
+
+
+def _same_meta(t: torch.Tensor, pack) -> bool:
+    return t.dtype == pack.dtype and t.shape == pack.size
+
+
+# -- the public API ----------------------------------------------------------------------------
+@torch._disable_dynamo
 def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentrant=None, **kwargs):
-    """Drop-in for ``torch.utils.checkpoint.checkpoint`` (placeholder: full recompute)."""
-    return _tc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+    """Drop-in for ``torch.utils.checkpoint.checkpoint`` that keeps what fits ``budget``.
+
+    Outputs and gradients equal those of ``function(*args, **kwargs)`` without checkpointing.
+    Inside the region, the activations worth keeping (most recompute cost per byte) are kept
+    within the budget, and only the ops needed to rebuild the rest are replayed in backward.
+
+    Args:
+        function: the region, e.g. a transformer block. Plans are cached per callable and input
+            signature (shapes, dtypes, autocast state, non-tensor arguments): pass a stable
+            callable (a module, a function), not a lambda made anew for every call.
+        *args, **kwargs: passed to ``function``.
+        budget: ``None`` or ``0.0``: keep nothing (``torch.utils.checkpoint``'s memory); a float
+            in ``(0, 1]``: the fraction of the activation bytes the region holds without
+            checkpointing that may be kept; an ``int``: that many bytes.
+        preserve_rng_state: replay random ops (dropout) with the generator state of the forward.
+            If False, their results are kept instead of recomputed.
+        use_reentrant: accepted for compatibility; ``True`` is warned about once and the
+            non-reentrant path is used.
+
+    Returns:
+        What ``function`` returns.
+
+    Raises:
+        ValueError: ``budget`` is negative, above 1.0 as a fraction, NaN, a bool or not a number.
+    """
+    budget = _check_budget(budget)
+    if use_reentrant:
+        _warn_once("reentrant", "gradaccel.checkpoint: use_reentrant=True is not supported; "
+                                "the non-reentrant implementation is used.")
+    torch_only = {k: kwargs.pop(k) for k in _TORCH_ONLY_KWARGS if k in kwargs}
+    if budget == 0 or torch_only or not torch.is_grad_enabled():
+        return _tc.checkpoint(function, *args, use_reentrant=False,
+                              preserve_rng_state=preserve_rng_state, **torch_only, **kwargs)
+    fn, args, kwargs = _unwrap(function, args, kwargs)
+    flat, spec = tree_flatten((args, kwargs))
+    owner, func = _owner(fn)
+    key = _signature(func, flat, spec, budget, preserve_rng_state, owner)
+    try:
+        regions = _REGIONS.setdefault(owner, {})
+    except TypeError:  # not weak-referenceable: trace every call (correct, slower)
+        regions = {}
+    region = regions.get(key)
+    if region is not None:
+        region.calls += 1
+        if region.plan is None:
+            return _run_dynamic(region, fn, args, kwargs, preserve_rng_state)
+        if region.plan.externals_alive():
+            return _run_planned(region, regions, key, fn, args, kwargs, flat)
+    return _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state)
+
+
+def _run_planned(region, regions, key, fn, args, kwargs, flat):
+    plan = region.plan
+    rng = capture_rng({s.device for s in plan.graph.storages}) if plan.uses_rng else None
+    frame = _Frame(plan, flat, rng)
+    with saved_tensors_hooks(frame.pack, frame.unpack):
+        out = fn(*args, **kwargs)
+    if not frame.finish(out):
+        regions.pop(key, None)
+        _warn_once(("diverged", region.name),
+                   f"gradaccel.checkpoint: {region.name} saved different tensors than when it was traced for "
+                   "the same input signature; it is traced again on its next call. Make the region's behaviour "
+                   "depend only on its arguments (and module.training).")
+    return out
+
+
+def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state):
+    graph = Graph(flat, preserve_rng_state)
+    devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
+    rng = capture_rng(devices) if preserve_rng_state else None
+    frame = _TraceFrame(graph, flat, rng)
+    with saved_tensors_hooks(frame.pack, frame.unpack), frame.recorder:
+        out = fn(*args, **kwargs)
+    frame.finish(out)
+    name = _name(fn)
+    region = _Region(name, graph, budget, flat)
+    regions[key] = region
+    _ALL.append(weakref.ref(region))
+    return out
+
+
+def _run_dynamic(region, fn, args, kwargs, preserve_rng_state):
+    if region.budget_bytes(_total_bytes(region.graph)) >= _total_bytes(region.graph):
+        return fn(*args, **kwargs)  # everything fits: plain autograd
+    return _tc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+
+
+def _unwrap(fn, args, kwargs):
+    """``functools.partial`` layers folded into the arguments, so the plan is cached on the
+    underlying callable and tensors bound in the partial are seen as inputs."""
+    while isinstance(fn, functools.partial):
+        args = fn.args + tuple(args)
+        kwargs = {**fn.keywords, **kwargs}
+        fn = fn.func
+    return fn, args, kwargs
+
+
+def _name(fn) -> str:
+    bound = getattr(fn, "__self__", None)
+    if isinstance(bound, torch.nn.Module):
+        return f"{type(bound).__name__}.{getattr(fn, '__name__', 'forward')}"
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__name__
+    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 def checkpoint_sequential(functions, segments, input, budget=None, use_reentrant=None, preserve_rng_state=True):
-    """Same signature and results as ``torch.utils.checkpoint.checkpoint_sequential``."""
-    return _tc.checkpoint_sequential(functions, segments, input, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+    """Same signature and results as ``torch.utils.checkpoint.checkpoint_sequential``, each
+    segment checkpointed with ``budget`` (the last segment, as in torch, is not checkpointed).
+
+    Args:
+        functions: an ``nn.Sequential`` or a list of modules/functions, run in order.
+        segments: how many chunks to split ``functions`` into.
+        input: the input of the first function.
+        budget, use_reentrant, preserve_rng_state: as for :func:`checkpoint`.
+
+    Returns:
+        The output of the last function.
+    """
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+    segment_size = len(functions) // segments
+    end = -1
+    for start in range(0, segment_size * (segments - 1), segment_size):
+        end = start + segment_size - 1
+        input = checkpoint(_Segment(functions[start:end + 1]), input, budget=budget,
+                           use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state)
+    return _Segment(functions[end + 1:])(input)
+
+
+class _Segment(torch.nn.Module):
+    """A run of functions as one region; a module so its plan is cached across calls."""
+
+    def __init__(self, functions):
+        super().__init__()
+        self.functions = list(functions)
+
+    def forward(self, x):
+        for f in self.functions:
+            x = f(x)
+        return x
+
+
+# -- reporting ---------------------------------------------------------------------------------
+def plan_rows() -> list[dict]:
+    """One dict per live traced region: name, signature, calls, bytes held against the budget,
+    ops kept and replayed, estimated recompute FLOPs, and whether the plan is exact."""
+    rows = []
+    for ref in _ALL:
+        region = ref()
+        if region is None:
+            continue
+        plan, graph = region.plan, region.graph
+        row = {"region": region.name, "signature": region.signature, "calls": region.calls,
+               "budget": region.budget, "total_bytes": _total_bytes(graph)}
+        if plan is None:
+            row.update(mode="torch.utils.checkpoint (data-dependent region)")
+        else:
+            kept = sorted({_producer_name(graph, p.storage) for k, p in enumerate(graph.packs)
+                           if plan.keep[k] and graph.storages[p.storage].creator >= 0})
+            row.update(mode="selective", kept_bytes=plan.kept_bytes, budget_bytes=plan.budget_bytes,
+                       kept_ops=kept, replayed_ops=[str(graph.ops[i].func) for i in plan.steps],
+                       recompute_flops=plan.recompute_flops, exact=plan.exact, fits=plan.fits)
+        rows.append(row)
+    return rows
+
+
+def _producer_name(graph: Graph, sid: int) -> str:
+    return str(graph.ops[graph.storages[sid].creator].func)
+
+
+def plan_report() -> str:
+    """A readable table of every traced region's plan (see :func:`plan_rows`)."""
+    lines = [f"{'region':<28} {'signature':<26} {'kept MiB':>9} {'budget MiB':>10} {'no-ckpt MiB':>11} "
+             f"{'replayed':>8} {'recompute GFLOP':>15}  exact"]
+    mib = 1 / 2**20
+    for r in plan_rows():
+        if r["mode"] != "selective":
+            lines.append(f"{r['region']:<28} {r['signature'][:26]:<26} {r['mode']}")
+            continue
+        lines.append(f"{r['region'][:28]:<28} {r['signature'][:26]:<26} {r['kept_bytes'] * mib:>9.2f} "
+                     f"{r['budget_bytes'] * mib:>10.2f} {r['total_bytes'] * mib:>11.2f} {len(r['replayed_ops']):>8} "
+                     f"{r['recompute_flops'] / 1e9:>15.4f}  {'yes' if r['exact'] else 'no'}")
+        lines.append(f"    kept:     {', '.join(r['kept_ops']) or '-'}")
+        lines.append(f"    replayed: {', '.join(r['replayed_ops']) or '-'}")
+    return "\n".join(lines)

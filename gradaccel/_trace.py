@@ -1,0 +1,283 @@
+"""Records what one checkpointed region does, inside its real forward, at the aten level.
+
+The record is a graph of *values*: a storage at one version. Ops read values and create new
+storages or write new versions of existing ones (in-place ops). Bytes belong to storages, so
+a view costs nothing and aliasing is counted once. Tensor arguments are kept as references
+(storage, size, stride, offset, dtype), which is all that replay needs to rebuild them.
+
+Used once per input signature (see gradaccel/checkpoint.py); later calls run without it.
+"""
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+
+# Ops that use only the metadata (size, stride, dtype, device) of their tensor argument: replay
+# feeds them an uninitialised stand-in, so e.g. dropout's `empty_like(x)` does not pull x in.
+_METADATA_ONLY = {
+    aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like,
+    aten.randn_like, aten.randint_like, aten.new_empty, aten.new_zeros, aten.new_ones,
+    aten.new_full, aten.new_empty_strided,
+}
+# Ops whose results depend on data in a way a recorded constant would freeze (a Python scalar
+# read from a tensor, a data-dependent shape): a trace with one cannot be replayed on later calls.
+_DYNAMIC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+# Machine balance of the recompute cost model: one byte moved costs as much as this many FLOPs.
+FLOPS_PER_BYTE = {"cpu": 8.0, "cuda": 100.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """A tensor argument: which value it reads and the view of that value's storage."""
+
+    storage: int
+    value: int
+    size: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    meta_only: bool = False
+
+
+@dataclasses.dataclass
+class Storage:
+    nbytes: int
+    device: torch.device
+    creator: int = -1  # op that allocated it; -1: it existed before the region
+    external: Any = None  # before the region: ("arg", i) or ("obj", weakref to a tensor)
+    versions: list = dataclasses.field(default_factory=list)  # value ids, oldest first
+    written_here: bool = False  # an op of the region wrote to it
+
+
+@dataclasses.dataclass
+class Op:
+    func: Any
+    spec: Any  # pytree spec of (args, kwargs)
+    leaves: list  # args/kwargs leaves, tensors replaced by Ref
+    reads: list  # value ids this op depends on
+    new_storages: list  # (storage id, index of the tensor among the flattened outputs)
+    flops: int
+    cost: float
+    replayable: bool
+    random: bool
+
+
+@dataclasses.dataclass
+class Pack:
+    """One tensor autograd saved for backward, in the order autograd saved them."""
+
+    storage: int
+    value: int
+    size: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+
+
+class Graph:
+    """The trace of one region. See the module docstring."""
+
+    RNG = 0  # storage id of the pseudo-storage random ops read and write (the generator state)
+
+    def __init__(self, flat_args: list, preserve_rng_state: bool):
+        self.storages: list[Storage] = []
+        self.values: list[tuple[int, int]] = []  # (storage, producer op or -1)
+        self.ops: list[Op] = []
+        self.packs: list[Pack] = []
+        self.outputs: dict[int, int] = {}  # storage -> index among flattened outputs
+        self.dynamic = False
+        self.preserve_rng_state = preserve_rng_state
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # StorageImpl address -> (ref, id)
+        self._strong: list = []  # externals, held for the traced call's own backward
+        self._recomputable: dict[int, bool] = {}
+        self._new_storage(0, torch.device("cpu"))  # Graph.RNG
+        self._args = {}
+        for i, t in enumerate(flat_args):
+            if isinstance(t, torch.Tensor):
+                self._args.setdefault(t.untyped_storage()._cdata, i)
+
+    # -- storages and values ---------------------------------------------------------------
+    def _new_storage(self, nbytes: int, device, creator: int = -1, external=None) -> int:
+        sid = len(self.storages)
+        self.storages.append(Storage(nbytes, device, creator, external))
+        self._new_value(sid, creator)
+        return sid
+
+    def _new_value(self, sid: int, producer: int) -> int:
+        vid = len(self.values)
+        self.values.append((sid, producer))
+        self.storages[sid].versions.append(vid)
+        return vid
+
+    def storage_of(self, t: torch.Tensor) -> int:
+        """The id of ``t``'s storage; a storage not seen before existed before the region."""
+        st = t.untyped_storage()
+        key = st._cdata
+        hit = self._live.get(key)
+        if hit is not None and not hit[0].expired():
+            return hit[1]
+        arg = self._args.get(key)
+        if arg is not None:
+            external = ("arg", arg)
+        else:
+            external = ("obj", weakref.ref(t))
+            self._strong.append(t)
+        sid = self._new_storage(st.nbytes(), t.device, external=external)
+        self._live[key] = (StorageWeakRef(st), sid)
+        return sid
+
+    def _created(self, t: torch.Tensor, op: int) -> int:
+        st = t.untyped_storage()
+        sid = self._new_storage(st.nbytes(), t.device, creator=op)
+        self._live[st._cdata] = (StorageWeakRef(st), sid)
+        return sid
+
+    def current(self, sid: int) -> int:
+        return self.storages[sid].versions[-1]
+
+    def ref(self, t: torch.Tensor, meta_only: bool = False) -> Ref:
+        sid = self.storage_of(t)
+        return Ref(sid, self.current(sid), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device, meta_only)
+
+    # -- recording ---------------------------------------------------------------------------
+    def record(self, func, args, kwargs, out) -> None:
+        op_id = len(self.ops)
+        leaves, spec = tree_flatten((args, kwargs))
+        meta_only = func.overloadpacket in _METADATA_ONLY
+        refs = [self.ref(x, meta_only) if isinstance(x, torch.Tensor) else x for x in leaves]
+        reads = [r.value for r in refs if isinstance(r, Ref) and not r.meta_only]
+        random = torch.Tag.nondeterministic_seeded in func.tags
+        if any(tag in func.tags for tag in _DYNAMIC_TAGS):
+            self.dynamic = True
+        written = self._written_storages(func, args, kwargs)
+        replayable = all(self.storages[s].creator >= 0 for s in written)
+        if random:
+            reads.append(self.current(Graph.RNG))
+            replayable = replayable and self.preserve_rng_state
+        out_leaves, _ = tree_flatten(out)
+        if any(not isinstance(o, torch.Tensor) for o in out_leaves) and any(isinstance(x, torch.Tensor) for x in leaves):
+            self.dynamic = True  # e.g. `.item()`: a value read from data becomes a constant
+        known = {r.storage for r in refs if isinstance(r, Ref)}
+        new_storages, nbytes = [], sum(_nbytes(r) for r in refs if isinstance(r, Ref))
+        for i, o in enumerate(out_leaves):
+            if isinstance(o, torch.Tensor):
+                nbytes += o.numel() * o.element_size()
+                hit = self._live.get(o.untyped_storage()._cdata)
+                if hit is None or hit[0].expired() or hit[1] not in known:
+                    new_storages.append((self._created(o, op_id), i))
+        for s in written:
+            self.storages[s].written_here = True
+            self._new_value(s, op_id)
+        if random:
+            self._new_value(Graph.RNG, op_id)
+        flops = _flops(func, args, kwargs, out)
+        device = next((r.device for r in refs if isinstance(r, Ref)), None)
+        balance = FLOPS_PER_BYTE["cpu"] if device is None or device.type == "cpu" else FLOPS_PER_BYTE["cuda"]
+        cost = flops + balance * nbytes
+        self.ops.append(Op(func, spec, refs, reads, new_storages, flops, cost, replayable, random))
+
+    def _written_storages(self, func, args, kwargs) -> list[int]:
+        written = []
+        schema = func._schema
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in tree_flatten(value)[0]:
+                if isinstance(t, torch.Tensor):
+                    written.append(self.storage_of(t))
+        return written
+
+    def add_pack(self, t: torch.Tensor) -> int:
+        sid = self.storage_of(t)
+        self.packs.append(Pack(sid, self.current(sid), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype))
+        return sid
+
+    def finish(self, out) -> None:
+        """Notes which storages the region returns: the caller holds those anyway."""
+        for i, o in enumerate(tree_flatten(out)[0]):
+            if isinstance(o, torch.Tensor):
+                hit = self._live.get(o.untyped_storage()._cdata)
+                if hit is not None and not hit[0].expired():
+                    self.outputs.setdefault(hit[1], i)
+        self._live.clear()
+
+    def take_externals(self) -> list:
+        """Hands over the strong references to tensors read from outside the arguments: the
+        traced call's frame holds them until its backward; the cached graph keeps weak ones."""
+        strong, self._strong = self._strong, []
+        return strong
+
+    # -- queries -----------------------------------------------------------------------------
+    def recomputable(self, vid: int) -> bool:
+        """Whether replay can rebuild value ``vid`` from values that exist before the region."""
+        memo, stack = self._recomputable, [vid]
+        while stack:  # post-order over producers; values only read older values, so no cycles
+            v = stack[-1]
+            if v in memo:
+                stack.pop()
+                continue
+            producer = self.values[v][1]
+            if producer < 0:  # an input, or the generator state at entry
+                memo[v] = True
+                stack.pop()
+                continue
+            op = self.ops[producer]
+            pending = [r for r in op.reads if r not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            memo[v] = op.replayable and all(memo[r] for r in op.reads)
+            stack.pop()
+        return memo[vid]
+
+    def is_leaf_value(self, vid: int) -> bool:
+        """A value replay can take as it is, when its storage is at hand (its final version;
+        for the generator, its state at entry)."""
+        sid, _ = self.values[vid]
+        if sid == Graph.RNG:
+            return vid == self.storages[sid].versions[0]
+        return vid == self.storages[sid].versions[-1]
+
+
+def _nbytes(r: Ref) -> int:
+    n = 1
+    for d in r.size:
+        n *= d
+    return n * r.dtype.itemsize
+
+
+def _flops(func, args, kwargs, out) -> int:
+    packet = func.overloadpacket
+    if packet in flop_registry:
+        return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
+        # Not in torch's flop registry: two batched matmuls, QK^T and PV.
+        q, k = args[0], args[1]
+        return 4 * q.numel() * k.shape[-2]
+    return 0
+
+
+class Recorder(TorchDispatchMode):
+    """Records every aten op run while it is active into ``graph``."""
+
+    def __init__(self, graph: Graph):
+        super().__init__()
+        self.graph = graph
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.paused:
+            self.graph.record(func, args, kwargs, out)
+        return out
