@@ -1,28 +1,199 @@
-"""Fused gradient-accumulation ops (public: ``scale_accumulate_``).
+"""Fused gradient-accumulation ops (public: ``scale_accumulate_``; ``fold_`` and ``finalize_``
+serve ``FusedAccumOptimizer``).
 
-PLACEHOLDER: plain-PyTorch versions of the final API, so that code built on these ops can be
-written now. The kernels issue replaces the bodies with the registered C++ (CPU) / Triton
-(CUDA) ops; the signatures and semantics below are the contract.
+Each function validates its arguments in Python (``ValueError``/``TypeError`` naming the
+argument), then calls the registered op ``torch.ops.gradaccel.<name>``: on CPU tensors its C++
+kernel (csrc/accumulate.cpp), on CUDA tensors the Triton launcher registered below as the op's
+CUDA kernel (triton_kernels/accumulate.py). The ops also have Meta kernels, so they trace under
+FakeTensor / torch.compile.
+
+These run once per parameter per micro-batch from a backward hook: the checks are attribute
+reads, and anything costlier (the fold's layout) is cached.
 """
+
+import functools
 
 import torch
 
+from gradaccel import _ext
+
+_GRAD_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+# The OpOverloads, resolved once: calling `.default` skips the packet's overload lookup.
+_scale_accumulate_op = _fold_op = _finalize_op = None
+_cuda_lib = None
+
+
+def _load_ops() -> None:
+    """Loads the C++ extension (which defines the ops) and registers the Triton CUDA kernels."""
+    global _scale_accumulate_op, _fold_op, _finalize_op
+    _ext.load()
+    if torch.cuda.is_available():
+        _register_cuda()
+    lib = torch.ops.gradaccel
+    _scale_accumulate_op = lib.scale_accumulate_.default
+    _fold_op = lib.fold_.default
+    _finalize_op = lib.finalize_.default
+
+
+def _register_cuda() -> None:
+    global _cuda_lib
+    if _cuda_lib is not None:
+        return
+    from triton_kernels import accumulate as kernels
+
+    def scale_accumulate_cuda(acc, grad, scale):
+        if not acc.is_contiguous() and torch._C._debug_has_internal_overlap(acc) == 1:
+            raise RuntimeError("gradaccel.scale_accumulate_: acc has overlapping elements (an "
+                               "expanded view); accumulate into a tensor that owns its memory")
+        kernels.scale_accumulate(acc, grad, scale)
+
+    def fold_cuda(flat, grads, offsets, scale):
+        kernels.fold(flat, grads, offsets, scale)
+
+    def finalize_cuda(flat, scale):
+        return kernels.finalize(flat, scale.to(device=flat.device, dtype=torch.float32))
+
+    lib = torch.library.Library("gradaccel", "IMPL")
+    lib.impl("scale_accumulate_", scale_accumulate_cuda, "CUDA")
+    lib.impl("fold_", fold_cuda, "CUDA")
+    lib.impl("finalize_", finalize_cuda, "CUDA")
+    _cuda_lib = lib  # the registrations live as long as this object
+
+
+def _check_grad(name: str, grad) -> None:
+    if not isinstance(grad, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(grad).__name__}")
+    if grad.dtype not in _GRAD_DTYPES:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {grad.dtype} "
+                         "(integer and other dtypes carry no gradient to accumulate)")
+    if grad.layout is not torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {grad.layout}")
+
+
+def _check_buffer(fn: str, name: str, buf) -> None:
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype != torch.float32:
+        raise ValueError(f"{fn}: {name} must be float32 (the fp32 accumulation buffer), got {buf.dtype}")
+
 
 def scale_accumulate_(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> torch.Tensor:
-    """``acc += grad.float() * scale`` in place; returns ``acc`` (fp32; grad fp32/bf16/fp16, same shape)."""
-    acc.add_(grad.float() * scale)
+    """``acc += grad.float() * scale`` in place, in fp32 arithmetic.
+
+    Args:
+        acc: float32 tensor, any shape and strides (without overlapping elements).
+        grad: float32/bfloat16/float16 tensor of ``acc``'s shape, on ``acc``'s device, any strides.
+        scale: Python number, applied as float32.
+
+    Returns:
+        ``acc``.
+
+    Raises:
+        ValueError: ``acc`` not float32, ``grad`` of an integer or other dtype, shapes or devices
+            that differ.
+    """
+    _check_buffer("scale_accumulate_", "acc", acc)
+    _check_grad("scale_accumulate_: grad", grad)
+    if acc.device != grad.device:
+        raise ValueError(f"scale_accumulate_: acc is on {acc.device} but grad is on {grad.device}; "
+                         "move one of them")
+    if acc.shape != grad.shape:
+        raise ValueError(f"scale_accumulate_: grad has shape {tuple(grad.shape)} but acc has "
+                         f"shape {tuple(acc.shape)}; they must match")
+    if _scale_accumulate_op is None:
+        _load_ops()
+    _scale_accumulate_op(acc, grad, float(scale))
     return acc
 
 
+@functools.lru_cache(maxsize=256)
+def _check_layout(numels: tuple, offsets: tuple, total: int) -> None:
+    """Slices in bounds and disjoint (the kernels fold them in parallel). Cached: the optimizer
+    folds the same layout every micro-batch."""
+    end = 0
+    for off, n, i in sorted(zip(offsets, numels, range(len(numels)))):
+        if n == 0:
+            continue
+        if off < 0 or off + n > total:
+            raise ValueError(f"fold_: grads[{i}] ({n} elements) at offset {off} does not fit in "
+                             f"flat ({total} elements)")
+        if off < end:
+            raise ValueError(f"fold_: the slice of grads[{i}] at offset {off} overlaps another "
+                             f"grad's slice (ending at {end}); slices must be disjoint")
+        end = off + n
+
+
 def fold_(flat: torch.Tensor, grads: list[torch.Tensor], offsets: list[int], scale: float) -> torch.Tensor:
-    """For each i: ``flat[offsets[i]:offsets[i]+grads[i].numel()] += grads[i].flatten().float() * scale``."""
-    for g, off in zip(grads, offsets):
-        flat[off : off + g.numel()].add_(g.reshape(-1).float() * scale)
+    """For each i: ``flat[offsets[i]:offsets[i]+grads[i].numel()] += grads[i].flatten().float() * scale``.
+
+    All grads are folded by one kernel launch (per grad dtype) on CUDA and one parallel loop on CPU.
+
+    Args:
+        flat: 1-D contiguous float32 buffer.
+        grads: float32/bfloat16/float16 tensors on ``flat``'s device, any shapes and strides.
+        offsets: one int per grad: where its slice of ``flat`` starts. Slices must lie inside
+            ``flat`` and be disjoint.
+        scale: Python number, applied as float32.
+
+    Returns:
+        ``flat``.
+
+    Raises:
+        ValueError: bad dtype, device, shape, offset count, out-of-bounds or overlapping slices.
+    """
+    _check_buffer("fold_", "flat", flat)
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"fold_: flat must be a 1-D contiguous buffer, got shape {tuple(flat.shape)}"
+                         f"{'' if flat.is_contiguous() else ' (non-contiguous)'}")
+    grads = list(grads)
+    offsets = [int(o) for o in offsets]
+    if len(grads) != len(offsets):
+        raise ValueError(f"fold_: got {len(grads)} grads but {len(offsets)} offsets; pass one offset per grad")
+    device = flat.device
+    for i, g in enumerate(grads):
+        _check_grad(f"fold_: grads[{i}]", g)
+        if g.device != device:
+            raise ValueError(f"fold_: grads[{i}] is on {g.device} but flat is on {device}")
+    _check_layout(tuple(g.numel() for g in grads), tuple(offsets), flat.numel())
+    if _fold_op is None:
+        _load_ops()
+    _fold_op(flat, grads, offsets, float(scale))
     return flat
 
 
 def finalize_(flat: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flat *= scale`` (0-d tensor) in one pass; returns (sum of squares of the result as 0-d
-    fp32, 0-d bool: any non-finite value in the result)."""
-    flat.mul_(scale)
-    return flat.double().square().sum().float(), ~torch.isfinite(flat).all()
+    """``flat *= scale`` in one read and write, returning the squared norm and a non-finite flag.
+
+    ``scale`` is a tensor so that a value computed on the device (1 / items seen) needs no host
+    sync; it is read by the kernel and applied as float32.
+
+    Args:
+        flat: contiguous float32 tensor (the window's accumulation buffer), any shape.
+        scale: 0-d floating tensor, on ``flat``'s device or the CPU (a Python number is accepted).
+
+    Returns:
+        ``(sumsq, nonfinite)``: 0-d float32 sum of squares of the scaled values (accumulated in
+        float64), and 0-d bool, True if any scaled value is inf or NaN. Both on ``flat``'s device.
+
+    Raises:
+        ValueError: ``flat`` not float32 or not contiguous, ``scale`` not a 0-d floating tensor.
+    """
+    _check_buffer("finalize_", "flat", flat)
+    if not flat.is_contiguous():
+        raise ValueError("finalize_: flat must be contiguous (the flat accumulation buffer)")
+    if not isinstance(scale, torch.Tensor):
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise TypeError(f"finalize_: scale must be a 0-d tensor or a number, got {type(scale).__name__}")
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=flat.device)
+    if scale.dim() != 0 or not scale.is_floating_point():
+        raise ValueError(f"finalize_: scale must be a 0-d floating-point tensor, got shape "
+                         f"{tuple(scale.shape)} and dtype {scale.dtype}")
+    if scale.device != flat.device:
+        if scale.device.type != "cpu":
+            raise ValueError(f"finalize_: scale is on {scale.device} but flat is on {flat.device}")
+        if flat.device.type != "cpu":
+            scale = scale.to(flat.device, non_blocking=True)
+    if _finalize_op is None:
+        _load_ops()
+    return _finalize_op(flat, scale)
