@@ -355,9 +355,10 @@ class ActivationStore : public torch::CustomClassHolder {
       if (reserved_ + cap > budget) return std::nullopt;
     }
     void* ptr = allocate(cap);
-    if (!ptr && !free_.empty()) {  // idle buffers of other sizes may be what the system misses
+    if (!ptr) {  // idle buffers of other sizes may be what the system misses: free them, try again
+      const std::size_t before = reserved_;
       trim_to(0);
-      ptr = allocate(cap);
+      if (reserved_ < before) ptr = allocate(cap);
     }
     if (!ptr) {
       ++alloc_failures_;

@@ -1,0 +1,321 @@
+"""Activation offload: park saved tensors in host memory and bring them back for backward.
+
+The store (``csrc/store.cpp``, ``csrc/cuda/store.cu``) keeps a pool of host buffers, pinned
+for CUDA tensors, that is reused from step to step. On CUDA every copy runs on a side stream,
+ordered by events: ``offload`` returns before the device-to-host copy ends, ``prefetch``
+starts the host-to-device copy early, and only ``fetch`` makes the current stream wait. CPU
+tensors run the same logic with plain copies.
+
+Three entry points:
+
+- :class:`ActivationStore`: offload / prefetch / fetch / release by handle (the planner of
+  ``gradaccel.checkpoint`` uses it for the tensors it sends to host memory);
+- :func:`offload_saved_tensors`: a ``saved_tensors_hooks`` context that offloads every saved
+  activation, the asynchronous counterpart of ``torch.autograd.graph.save_on_cpu``;
+- :func:`copy_bandwidth`: measured copy speeds, for the planner's cost model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import time
+import warnings
+import weakref
+from typing import Iterator
+
+import torch
+
+from gradaccel import _ext
+
+__all__ = ["ActivationStore", "HostAllocationError", "copy_bandwidth", "offload_saved_tensors"]
+
+_ALLOC_FAILED = "gradaccel ActivationStore: could not allocate"
+
+
+class HostAllocationError(torch.OutOfMemoryError):
+    """The system refused host (pinned) memory to the store. Nothing leaked; the store is usable."""
+
+
+def _store_class():
+    _ext.load()
+    return torch.classes.gradaccel.ActivationStore
+
+
+class ActivationStore:
+    """A pool of host buffers holding offloaded tensors, addressed by integer handles.
+
+    Life of a handle: ``h = offload(t)`` (the caller may drop ``t`` at once), optionally
+    ``prefetch(h)`` ahead of need, ``fetch(h)`` (any number of times), ``release(h)`` once.
+
+    Args:
+        host_budget: most bytes of host buffers the store may hold (idle buffers included;
+            sizes are rounded up to a size class, at most 12.5 % more). ``None``: no bound.
+            When a tensor does not fit, idle buffers are freed first; if it still does not
+            fit, :meth:`offload` returns ``None`` and warns once.
+        pin_memory: pinned (page-locked) buffers, needed to offload CUDA tensors and to
+            copy asynchronously. ``None``: pinned when CUDA is available and gradaccel was
+            built with it.
+
+    Raises:
+        ValueError: ``host_budget`` is not ``None`` or an int >= 0.
+    """
+
+    def __init__(self, host_budget: int | None = None, *, pin_memory: bool | None = None):
+        if host_budget is not None and (isinstance(host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0):
+            raise ValueError(f"host_budget must be None or an int >= 0 (bytes), got {host_budget!r}")
+        cls = _store_class()
+        if pin_memory is None:
+            pin_memory = bool(_ext.load().with_cuda) and torch.cuda.is_available()
+        self.host_budget = host_budget
+        self.pin_memory = bool(pin_memory)
+        self._store = cls(-1 if host_budget is None else host_budget, self.pin_memory)
+        self._warned = False
+
+    def offload(self, tensor: torch.Tensor) -> int | None:
+        """Start copying ``tensor`` into a host buffer.
+
+        Args:
+            tensor: a strided CPU or CUDA tensor, any dtype, shape and strides. It is not
+                modified; the store copies its values (views are materialized only if their
+                layout is not dense).
+
+        Returns:
+            A handle for :meth:`prefetch`, :meth:`fetch` and :meth:`release`; or ``None``
+            when ``host_budget`` cannot hold the tensor (the caller keeps or recomputes it;
+            a ``RuntimeWarning`` says so once per store).
+
+        Raises:
+            HostAllocationError: (a ``torch.OutOfMemoryError``) the system refused the host
+                memory. Nothing leaks; the store stays usable.
+        """
+        try:
+            handle = self._store.offload(tensor)
+        except torch.OutOfMemoryError as exc:  # the store's, or the device's (non-dense input made dense)
+            if str(exc).startswith(_ALLOC_FAILED):
+                raise HostAllocationError(str(exc)) from None
+            raise
+        if handle >= 0:
+            return handle
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"gradaccel ActivationStore: host_budget={self.host_budget} bytes is exhausted; tensors that do "
+                "not fit stay on the device or are recomputed (warned once per store)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return None
+
+    def prefetch(self, handle: int) -> None:
+        """Start bringing a tensor back to its device now, on a side stream (CUDA), so that
+        :meth:`fetch` finds it there. A no-op if it is already staged."""
+        self._store.prefetch(handle)
+
+    def fetch(self, handle: int) -> torch.Tensor:
+        """The offloaded tensor on its original device.
+
+        Returns:
+            A new tensor with the original shape, dtype and bit-exact values; its strides are
+            the original ones when the original was dense, contiguous otherwise. On CUDA the
+            current stream waits for the copy (the host does not). The handle stays valid
+            until :meth:`release`.
+        """
+        return self._store.fetch(handle)
+
+    def release(self, handle: int) -> None:
+        """Give the handle's buffer back to the pool (reused once no copy reads it)."""
+        self._store.release(handle)
+
+    def synchronize(self) -> None:
+        """Wait for every copy in flight (for tests and measurements)."""
+        self._store.synchronize()
+
+    def trim(self) -> int:
+        """Free the idle buffers; returns the bytes given back to the system."""
+        return self._store.trim()
+
+    def stats(self) -> dict[str, int]:
+        """Accounting. Keys: ``handles`` (live), ``bytes_in_use`` (bytes of live tensors),
+        ``bytes_reserved`` (all host buffers held), ``bytes_idle``, ``buffers``,
+        ``buffers_idle``, ``buffers_pending`` (released, a copy still reads them), ``hits`` /
+        ``misses`` (buffer requests served by the pool / by a new allocation), ``waits`` (hits
+        that waited for a copy), ``refused`` (host_budget), ``alloc_failures``,
+        ``bytes_offloaded`` (total), ``host_budget`` (-1: none), ``pinned``."""
+        return dict(self._store.stats())
+
+    @property
+    def bytes_in_use(self) -> int:
+        """Bytes of the tensors currently offloaded (live handles)."""
+        return self.stats()["bytes_in_use"]
+
+    @property
+    def bytes_reserved(self) -> int:
+        """Bytes of host buffers the store holds, in use or idle (what ``host_budget`` bounds)."""
+        return self.stats()["bytes_reserved"]
+
+    @property
+    def buffer_count(self) -> int:
+        """Host buffers the store holds."""
+        return self.stats()["buffers"]
+
+    @property
+    def hits(self) -> int:
+        """Buffer requests served from the pool."""
+        return self.stats()["hits"]
+
+    @property
+    def misses(self) -> int:
+        """Buffer requests that allocated a new buffer."""
+        return self.stats()["misses"]
+
+    def _fail_next_allocations(self, n: int) -> None:
+        """Test hook: the next ``n`` host allocations fail as if the system refused them."""
+        self._store._fail_next_allocations(n)
+
+    def _defer_cpu_events(self, on: bool) -> None:
+        """Test hook: CPU copies count as in flight until waited for, like CUDA copies."""
+        self._store._defer_cpu_events(on)
+
+
+# ---- saved-tensor hooks ------------------------------------------------------------------------
+
+
+class _Packed:
+    """A saved tensor parked in the store; releases its handle when autograd drops it."""
+
+    __slots__ = ("store", "handle", "index", "staged", "__weakref__")
+
+    def __init__(self, store: ActivationStore, handle: int, index: int):
+        self.store, self.handle, self.index, self.staged = store, handle, index, False
+
+    def __del__(self):
+        try:
+            self.store.release(self.handle)
+        except Exception:  # interpreter shutdown: the store may be gone already
+            pass
+
+
+def _worth_offloading(t: torch.Tensor, min_bytes: int) -> bool:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+        return False  # subclasses (DTensor, fake tensors...) and sparse layouts stay as they are
+    if t.device.type not in ("cpu", "cuda") or t.numel() * t.element_size() < min_bytes:
+        return False
+    base = t._base if t._base is not None else t
+    # Parameters and inputs that require grad (and views of them) stay alive anyway.
+    return not (base.is_leaf and base.requires_grad)
+
+
+@contextlib.contextmanager
+def offload_saved_tensors(store: ActivationStore | None = None, *, min_bytes: int = 1 << 16,
+                          prefetch_ahead: int = 2) -> Iterator[ActivationStore]:
+    """Offload every activation autograd saves inside the block, through ``store``.
+
+    The asynchronous counterpart of ``torch.autograd.graph.save_on_cpu``: the device-to-host
+    copies run on a side stream while the forward goes on, and in backward each unpacked
+    tensor starts the copies of the ``prefetch_ahead`` tensors saved just before it (the next
+    ones backward needs). Tensors under ``min_bytes``, parameters and inputs that require
+    grad (and views of them) are kept as they are. A tensor the store refuses (``host_budget``
+    exhausted, or host memory refused) is kept on its device, with one warning.
+
+    Args:
+        store: the store to use (``None``: a new unbounded one).
+        min_bytes: smallest tensor worth a copy.
+        prefetch_ahead: how many tensors to bring back ahead of backward's need (0: none).
+
+    Returns:
+        A context manager yielding the store. Buffers go back to the pool as autograd frees
+        the saved tensors (after backward, or when the graph is dropped).
+    """
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+    if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) or prefetch_ahead < 0:
+        raise ValueError(f"prefetch_ahead must be an int >= 0, got {prefetch_ahead!r}")
+    store = ActivationStore() if store is None else store
+    packed: weakref.WeakValueDictionary[int, _Packed] = weakref.WeakValueDictionary()
+    counter = itertools.count()
+    alloc_warned = False
+
+    def pack(t: torch.Tensor):
+        nonlocal alloc_warned
+        if not _worth_offloading(t, min_bytes):
+            return t
+        try:
+            handle = store.offload(t)
+        except HostAllocationError as exc:
+            if not alloc_warned:
+                alloc_warned = True
+                warnings.warn(f"gradaccel offload_saved_tensors: keeping tensors on the device: {exc}", RuntimeWarning,
+                              stacklevel=2)
+            return t
+        if handle is None:
+            return t
+        p = _Packed(store, handle, next(counter))
+        packed[p.index] = p
+        return p
+
+    def unpack(p):
+        if not isinstance(p, _Packed):
+            return p
+        for i in range(p.index - 1, p.index - 1 - prefetch_ahead, -1):
+            q = packed.get(i)
+            if q is not None and not q.staged:
+                q.staged = True
+                store.prefetch(q.handle)
+        p.staged = False  # fetch hands the staged copy out; a second unpack copies again
+        return store.fetch(p.handle)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield store
+
+
+# ---- copy bandwidth ----------------------------------------------------------------------------
+
+
+def copy_bandwidth(device: str | torch.device) -> tuple[float, float]:
+    """Measured speed of the store's copies, once per process and device (cached).
+
+    Args:
+        device: ``"cpu"`` (host memcpy through the store) or a CUDA device (pinned
+            device-to-host and host-to-device copies through the store).
+
+    Returns:
+        ``(d2h_bytes_per_s, h2d_bytes_per_s)``: offload and fetch speeds, best of a few runs.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be a CPU or CUDA device, got {device!r}")
+    return _measure_bandwidth(str(dev))
+
+
+@functools.cache
+def _measure_bandwidth(device: str) -> tuple[float, float]:
+    cuda = device.startswith("cuda")
+    nbytes = (64 if cuda else 16) << 20
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    store = ActivationStore(pin_memory=cuda)
+
+    def sync():
+        store.synchronize()
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    d2h, h2d = [], []
+    for _ in range(4):  # the first run allocates the buffer; the best of the rest counts
+        sync()
+        t0 = time.perf_counter()
+        h = store.offload(x)
+        sync()
+        t1 = time.perf_counter()
+        y = store.fetch(h)
+        sync()
+        t2 = time.perf_counter()
+        store.release(h)
+        del y
+        d2h.append(t1 - t0)
+        h2d.append(t2 - t1)
+    store.trim()
+    return nbytes / min(d2h[1:]), nbytes / min(h2d[1:])
