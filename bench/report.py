@@ -112,11 +112,18 @@ def fmt(v: float) -> str:
     return "n/a" if not math.isfinite(v) else f"{v:.4g}"
 
 
+def fmt_ratio(r: float) -> str:
+    """Three significant digits, zeros kept (``1.00x``: equal, not rounded to it)."""
+    if not math.isfinite(r):
+        return "n/a"
+    return f"{r:.0f}x" if abs(r) >= 99.95 else f"{r:#.3g}x"
+
+
 def suite_table(rows: Sequence[dict], baseline: str | Sequence[str] | None = None,
                 metrics: Sequence[str] | None = None) -> str:
     """A markdown table of one suite: a line per (case, metric), a column per variant.
 
-    The baseline's cell holds its value; every other cell holds ``value / baseline`` as ``0.52x``,
+    The baseline's cell holds its value; every other cell holds ``value / baseline`` as ``0.520x``,
     or the plain value (marked ``=``) where the (case, metric) has no baseline or it is zero.
 
     Args:
@@ -151,7 +158,7 @@ def suite_table(rows: Sequence[dict], baseline: str | Sequence[str] | None = Non
             elif r is base:
                 cells.append(fmt(r["value"]))
             elif base is not None and base["value"] != 0 and math.isfinite(base["value"]):
-                cells.append(f"{r['value'] / base['value']:.3g}x")
+                cells.append(fmt_ratio(r["value"] / base["value"]))
             else:
                 cells.append("=" + fmt(r["value"]))
         lines.append(f"| {case} | {metric} | {unit} | " + " | ".join(cells) + " |")

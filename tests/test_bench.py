@@ -97,8 +97,8 @@ def test_cli_end_to_end(fakes, tmp_path, capsys):
     # One table per suite; ours as ratios to the baseline, which shows its own value.
     for suite, base in [("fakea", "torch-add"), ("fakeb", "torch")]:
         assert f"## {suite}\n" in md and f"`{base}`" in md
-    assert f"| small | time | s | 2 | 0.5x | 0.25x |" in md
-    assert f"| large | bytes | B/param | 26 | 0.385x |  |" in md
+    assert "| small | time | s | 2 | 0.500x | 0.250x |" in md
+    assert "| large | bytes | B/param | 26 | 0.385x |  |" in md
     for key in ("date", "machine", "cpu", "gpu", "python", "torch", "triton", "git"):
         assert f"| {key} | " in md
     for suite in ("fakea", "fakeb"):
@@ -109,7 +109,7 @@ def test_cli_end_to_end(fakes, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "[bench 1/2] fakea: [#####.....] 1/2 small" in captured.err
     assert "[bench 2/2] fakeb: done, 10 rows, 1 plots" in captured.err
-    assert "## fakeb" in captured.out and "0.25x" in captured.out
+    assert "## fakeb" in captured.out and "0.250x" in captured.out
 
 
 def test_a_failing_suite_keeps_the_others(fakes, tmp_path, capsys):
@@ -153,7 +153,7 @@ def test_python_dash_m_bench(tmp_path):
                         "--device", "cpu", "--tiny", "--out", str(out)],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr
-    assert "ValueError: boom" in p.stderr and "| only | time | s | 2 | 0.5x |" in p.stdout
+    assert "ValueError: boom" in p.stderr and "| only | time | s | 2 | 0.500x |" in p.stdout
     assert [r["suite"] for r in json.loads((out / "results.json").read_text())] == ["ok", "ok"]
 
 
@@ -218,8 +218,8 @@ def test_results_md_sections(tmp_path):
     assert text.startswith("# Results\n\nHow these are made.\n") and "\n### s\n" in text
     assert text.count("<!-- bench:cpu:start -->") == 1 and text.count("<!-- bench:cuda:end -->") == 1
     assert "## CPU: Some CPU, 2026-01-02" in text and "## GPU: H100, 2026-01-02" in text
-    assert "| c | time | s | 8 | 0.125x |" in text and "| 2 | 0.5x |" not in text
-    assert "| c | time | s | 4 | 0.25x |" in text
+    assert "| c | time | s | 8 | 0.125x |" in text and "| 2 | 0.500x |" not in text
+    assert "| c | time | s | 4 | 0.250x |" in text
 
 
 @pytest.mark.parametrize("name", ["accumulate", "train", "checkpoint"])
@@ -242,3 +242,8 @@ def test_real_suite_tiny(name, tmp_path, monkeypatch):
     assert paths, f"bench/{name}.py plot() wrote no PNG"
     for p in paths:
         assert Path(p).read_bytes()[:8] == PNG, p
+
+
+def test_ratio_format():
+    assert [report.fmt_ratio(r) for r in (1.0, 0.385, 2.039, 99.96, 1234.0, math.inf)] == \
+        ["1.00x", "0.385x", "2.04x", "100x", "1234x", "n/a"]
