@@ -48,7 +48,12 @@ def _make_hook(views: list, stamps: list, clock: list, i: int) -> Callable[[torc
         if grad.layout is not torch.strided:
             raise RuntimeError("FusedAccumOptimizer: sparse gradients are not supported "
                                "(e.g. nn.Embedding(sparse=True)); use dense gradients")
-        ops.scale_accumulate_(views[i], grad, 1.0)
+        if stamps[i] < clock[1]:
+            # First arrival in this window: a converting copy overwrites the stale slice, which
+            # saves zeroing the whole buffer every window (and reading it back here).
+            views[i].copy_(grad)
+        else:
+            ops.scale_accumulate_(views[i], grad, 1.0)
         # Freeing the grad here is the memory win: no per-parameter .grad survives the backward.
         param.grad = None
         stamps[i] = clock[0]
@@ -130,8 +135,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._offsets: list[int] = []
         self._views: list[torch.Tensor] = []     # shaped fp32 views into the flat buffer
         self._stamps: list[int] = []             # micro-step at which param i was last folded
-        self._clock = [0]                        # micro-steps so far; shared with the hooks
-        self._window_start = 0
+        # [micro-steps so far, micro-step at which the window began]; shared with the hooks.
+        self._clock = [0, 0]
         self._handles: list = []
         self._index: dict[int, int] = {}
         self._frozen: list[torch.Tensor] = []    # requires_grad=False at adoption: no slice
@@ -293,6 +298,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 continue
             if self._stamps[i] == now:
                 raise RuntimeError("FusedAccumOptimizer: " + _DDP_HINT)
+            if self._stamps[i] < self._clock[1]:
+                self._views[i].zero_()  # the slice still holds an earlier window's values
             grads, offs = late.setdefault(g.dtype, ([], []))
             grads.append(g)
             offs.append(self._offsets[i])
@@ -359,7 +366,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     def _end_window(self) -> bool:
         flat = self._flat
-        touched = [s >= self._window_start for s in self._stamps]
+        touched = [s >= self._clock[1] for s in self._stamps]
+        for t, v in zip(touched, self._views):
+            if not t:
+                v.zero_()  # stale from an earlier window (the hooks overwrite on first arrival)
         world = 1
         if self.process_group is not None:
             world = dist.get_world_size(self.process_group)
@@ -412,10 +422,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 torch._foreach_copy_(list(ps), list(ms))  # round to nearest even, like .to(dtype)
 
     def _reset_window(self) -> None:
-        self._flat.zero_()
         self._micro = 0
         self._items, self._items_t = 0.0, None
-        self._window_start = self._clock[0]
+        self._clock[1] = self._clock[0]
 
     # --- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -433,7 +442,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             "normalize": self.normalize,
             "masters": [t if t is not p else None for p, t in zip(self._params, self._targets)],
             "flat": self._flat,
-            "touched": [s >= self._window_start for s in self._stamps],
+            "touched": [s >= self._clock[1] for s in self._stamps],
             "micro": self._micro,
             "items": items,
             "skipped_steps": self.skipped_steps,
@@ -467,7 +476,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                     p.copy_(t)
         self._micro = int(extra["micro"])
         self._clock[0] = self._micro
-        self._window_start = 0
+        self._clock[1] = 0
         self._stamps[:] = [0 if t else -1 for t in extra["touched"]]
         self._items, self._items_t = float(extra["items"]), None
         self.skipped_steps = int(extra["skipped_steps"])

@@ -367,3 +367,30 @@ def test_bad_parameters():
     inner = FusedAccumOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1), 2)
     with pytest.raises(TypeError, match="optimizer"):
         FusedAccumOptimizer(inner, 2)
+
+
+def test_slices_of_earlier_windows_do_not_leak():
+    # Window 0 uses both branches; window 1 uses only `a` by backward and gives `b` a hand-set
+    # grad: the stale window-0 values of `b`'s slice must count neither in the update nor the norm.
+    torch.manual_seed(0)
+    mods = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    ref = copy.deepcopy(mods)
+    opt = FusedAccumOptimizer(torch.optim.SGD(mods.parameters(), lr=0.1), 2, max_grad_norm=1e6)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = _data(4, din=4)[0]
+    for window in range(3):
+        for ms, fused in ((mods, True), (ref, False)):
+            for k in range(2):
+                used = ms if window == 0 else ms[:1]
+                loss = sum(m(x[2 * k: 2 * k + 2]).square().mean() for m in used)
+                (loss if fused else loss / 2).backward()
+                if window == 1 and k == 1:
+                    for p in ms[1].parameters():
+                        p.grad = torch.full_like(p, 0.5 if fused else 0.25)
+                if fused:
+                    opt.step()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e6)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert opt.last_grad_norm == pytest.approx(ref_norm.item(), rel=1e-6)
+        assert _max_diff(mods, ref) < 1e-7
