@@ -155,9 +155,12 @@ struct Lanes {
 
 class ActivationStore : public torch::CustomClassHolder {
  public:
-  ActivationStore(int64_t host_budget, bool pin_memory) : budget_(host_budget), pin_(pin_memory) {
+  ActivationStore(int64_t host_budget, bool pin_memory, int64_t max_inflight_bytes)
+      : budget_(host_budget), max_inflight_(max_inflight_bytes), pin_(pin_memory) {
     TORCH_CHECK(host_budget >= -1, "ActivationStore: host_budget must be >= 0 bytes (or -1 for no bound), got ",
                 host_budget);
+    TORCH_CHECK(max_inflight_bytes >= -1,
+                "ActivationStore: max_inflight_bytes must be >= 0 bytes (or -1 for no bound), got ", max_inflight_bytes);
 #ifndef GRADACCEL_WITH_CUDA
     TORCH_CHECK(!pin_memory, "ActivationStore: pin_memory needs gradaccel built with CUDA");
 #endif
@@ -205,6 +208,7 @@ class ActivationStore : public torch::CustomClassHolder {
     e.strides = src.strides().vec();
     e.dtype = src.scalar_type();
     e.device = src.device();
+    throttle(e.nbytes);
     if (e.nbytes > 0) {
       std::optional<Buffer> buf = acquire(e.nbytes);
       if (!buf) {
@@ -222,6 +226,10 @@ class ActivationStore : public torch::CustomClassHolder {
     const int64_t handle = next_handle_++;
     bytes_in_use_ += e.nbytes;
     bytes_offloaded_ += e.nbytes;
+    if (max_inflight_ >= 0 && e.nbytes > 0) {
+      inflight_.emplace_back(handle, e.nbytes);
+      inflight_bytes_ += e.nbytes;
+    }
     entries_.emplace(handle, std::move(e));
     return handle;
   }
@@ -301,6 +309,9 @@ class ActivationStore : public torch::CustomClassHolder {
     d.insert("alloc_failures", alloc_failures_);
     d.insert("bytes_offloaded", static_cast<int64_t>(bytes_offloaded_));
     d.insert("host_budget", budget_);
+    d.insert("bytes_inflight", static_cast<int64_t>(inflight_bytes_));
+    d.insert("throttled", throttled_);
+    d.insert("max_inflight_bytes", max_inflight_);
     d.insert("pinned", pin_ ? 1 : 0);
     return d;
   }
@@ -321,6 +332,24 @@ class ActivationStore : public torch::CustomClassHolder {
     auto it = entries_.find(handle);
     TORCH_CHECK(it != entries_.end(), "ActivationStore: unknown or already released handle ", handle);
     return it->second;
+  }
+
+  // The device memory of an offloaded tensor is free only once its copy is done. A forward that
+  // runs ahead of the copies would hold it all; past max_inflight bytes of copies in flight,
+  // the host waits for the oldest ones (copies on one stream finish in order).
+  void throttle(std::size_t incoming) {
+    while (!inflight_.empty()) {
+      const auto [handle, nbytes] = inflight_.front();
+      auto it = entries_.find(handle);  // a released entry's source is no longer ours to count
+      const bool done = it == entries_.end() || it->second.written.query();
+      if (!done) {
+        if (inflight_bytes_ + incoming <= static_cast<std::size_t>(max_inflight_)) break;
+        it->second.written.synchronize();
+        ++throttled_;
+      }
+      inflight_bytes_ -= nbytes;
+      inflight_.pop_front();
+    }
   }
 
   // ---- host buffer pool -------------------------------------------------------------------
@@ -507,7 +536,8 @@ class ActivationStore : public torch::CustomClassHolder {
 #endif
 
   std::mutex mu_;
-  const int64_t budget_;  // bytes of host buffers the store may hold; -1 = no bound
+  const int64_t budget_;        // bytes of host buffers the store may hold; -1 = no bound
+  const int64_t max_inflight_;  // bytes of device-to-host copies in flight; -1 = no bound
   const bool pin_;
   bool defer_cpu_ = false;
   int64_t fail_next_ = 0;
@@ -518,14 +548,16 @@ class ActivationStore : public torch::CustomClassHolder {
   std::deque<std::pair<Buffer, Event>> pending_;    // released, but a copy may still read them
 
   std::size_t bytes_in_use_ = 0, reserved_ = 0, bytes_offloaded_ = 0;
-  int64_t buffers_ = 0, hits_ = 0, misses_ = 0, waits_ = 0, refused_ = 0, alloc_failures_ = 0;
+  int64_t buffers_ = 0, hits_ = 0, misses_ = 0, waits_ = 0, refused_ = 0, alloc_failures_ = 0, throttled_ = 0;
+  std::deque<std::pair<int64_t, std::size_t>> inflight_;  // (handle, bytes) of copies maybe in flight, oldest first
+  std::size_t inflight_bytes_ = 0;
 };
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gradaccel, m) {
   m.class_<ActivationStore>("ActivationStore")
-      .def(torch::init<int64_t, bool>())
+      .def(torch::init<int64_t, bool, int64_t>())
       .def("offload", &ActivationStore::offload)
       .def("prefetch", &ActivationStore::prefetch)
       .def("fetch", &ActivationStore::fetch)

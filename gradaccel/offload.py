@@ -57,20 +57,28 @@ class ActivationStore:
         pin_memory: pinned (page-locked) buffers, needed to offload CUDA tensors and to
             copy asynchronously. ``None``: pinned when CUDA is available and gradaccel was
             built with it.
+        max_inflight_bytes: most bytes of device-to-host copies in flight. An offloaded
+            tensor's device memory is free only once its copy is done, so a forward that runs
+            ahead of the copies would still hold it all; past this bound :meth:`offload` waits
+            for the oldest copies. ``None``: no bound.
 
     Raises:
-        ValueError: ``host_budget`` is not ``None`` or an int >= 0.
+        ValueError: ``host_budget`` or ``max_inflight_bytes`` is not ``None`` or an int >= 0.
     """
 
-    def __init__(self, host_budget: int | None = None, *, pin_memory: bool | None = None):
-        if host_budget is not None and (isinstance(host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0):
-            raise ValueError(f"host_budget must be None or an int >= 0 (bytes), got {host_budget!r}")
+    def __init__(self, host_budget: int | None = None, *, pin_memory: bool | None = None,
+                 max_inflight_bytes: int | None = 256 << 20):
+        for name, value in (("host_budget", host_budget), ("max_inflight_bytes", max_inflight_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None or an int >= 0 (bytes), got {value!r}")
         cls = _store_class()
         if pin_memory is None:
             pin_memory = bool(_ext.load().with_cuda) and torch.cuda.is_available()
         self.host_budget = host_budget
         self.pin_memory = bool(pin_memory)
-        self._store = cls(-1 if host_budget is None else host_budget, self.pin_memory)
+        self.max_inflight_bytes = max_inflight_bytes
+        self._store = cls(-1 if host_budget is None else host_budget, self.pin_memory,
+                          -1 if max_inflight_bytes is None else max_inflight_bytes)
         self._warned = False
 
     def offload(self, tensor: torch.Tensor) -> int | None:
@@ -142,7 +150,9 @@ class ActivationStore:
         ``buffers_idle``, ``buffers_pending`` (released, a copy still reads them), ``hits`` /
         ``misses`` (buffer requests served by the pool / by a new allocation), ``waits`` (hits
         that waited for a copy), ``refused`` (host_budget), ``alloc_failures``,
-        ``bytes_offloaded`` (total), ``host_budget`` (-1: none), ``pinned``."""
+        ``bytes_offloaded`` (total), ``host_budget`` (-1: none), ``pinned``, ``bytes_inflight``
+        (device-to-host copies maybe still running), ``throttled`` (times :meth:`offload`
+        waited for a copy), ``max_inflight_bytes`` (-1: none)."""
         return dict(self._store.stats())
 
     @property

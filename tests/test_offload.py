@@ -137,9 +137,11 @@ def test_handle_lifecycle():
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "1"])
-def test_host_budget_argument(bad):
+def test_size_arguments(bad):
     with pytest.raises(ValueError, match="host_budget"):
         ActivationStore(host_budget=bad)
+    with pytest.raises(ValueError, match="max_inflight_bytes"):
+        ActivationStore(max_inflight_bytes=bad)
 
 
 # ---- pool and accounting ----------------------------------------------------------------------
@@ -199,6 +201,24 @@ def test_pending_buffer_is_waited_for_not_duplicated():
     store.release(store.offload(torch.randn(10)))
     store.synchronize()
     assert store.stats()["buffers_pending"] == 0 and store.stats()["buffers_idle"] == 2
+
+
+def test_inflight_copies_are_bounded():
+    store = ActivationStore(max_inflight_bytes=10_000)
+    store._defer_cpu_events(True)  # copies stay "in flight" until waited for
+    tensors = [torch.randn(1000) for _ in range(5)]  # 4000 bytes each
+    handles = [store.offload(t) for t in tensors]
+    s = store.stats()
+    assert s["bytes_inflight"] <= 10_000 and s["throttled"] == 3  # the 3rd, 4th, 5th waited for one each
+    for h, t in zip(handles, tensors):
+        assert torch.equal(store.fetch(h), t)
+        store.release(h)
+    unbounded = ActivationStore(max_inflight_bytes=None)
+    unbounded._defer_cpu_events(True)
+    handles = [unbounded.offload(t) for t in tensors]
+    assert unbounded.stats()["throttled"] == 0
+    for h in handles:
+        unbounded.release(h)
 
 
 # ---- gradients through the hooks --------------------------------------------------------------
@@ -368,8 +388,8 @@ def test_cuda_offload_does_not_block_the_host():
 
 @needs_cuda
 def test_cuda_hooks_lower_peak_memory_and_overlap():
-    model = _model("cuda", layers=4, hidden=256)
-    x = torch.randn(8, 1024, 256, device="cuda")
+    model = _model("cuda", layers=8, hidden=512)  # about 240 MiB of saved activations per block
+    x = torch.randn(8, 512, 512, device="cuda")
     store = ActivationStore()
 
     def measure(ctx_fn):
