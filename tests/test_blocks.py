@@ -64,7 +64,7 @@ def assert_grads_match(ref, model):
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         assert q.grad is not None, name
         scale = p.grad.abs().max().item() or 1.0
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6 * scale, msg=name)
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6 * scale, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _is_checkpointed(m):
