@@ -27,6 +27,12 @@ _METADATA_ONLY = {
     aten.randn_like, aten.randint_like, aten.new_empty, aten.new_zeros, aten.new_ones,
     aten.new_full, aten.new_empty_strided,
 }
+# Ops that update state they were not handed as mutable (batch norm's running statistics):
+# replaying one would update it twice, so their results are kept, never recomputed.
+_STATEFUL = {
+    aten.native_batch_norm, aten._native_batch_norm_legit, aten._batch_norm_with_update,
+    aten.cudnn_batch_norm, aten.miopen_batch_norm, aten._batch_norm_impl_index,
+}
 # Ops whose results depend on data in a way a recorded constant would freeze (a Python scalar
 # read from a tensor, a data-dependent shape): a trace with one cannot be replayed on later calls.
 _DYNAMIC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
@@ -81,6 +87,7 @@ class Pack:
     stride: tuple
     offset: int
     dtype: torch.dtype
+    grad_fn: object  # node_kind() of the tensor: tells apart ops that save the same shapes
 
 
 class Graph:
@@ -159,7 +166,7 @@ class Graph:
         if any(tag in func.tags for tag in _DYNAMIC_TAGS):
             self.dynamic = True
         written = self._written_storages(func, args, kwargs)
-        replayable = all(self.storages[s].creator >= 0 for s in written)
+        replayable = func.overloadpacket not in _STATEFUL and all(self.storages[s].creator >= 0 for s in written)
         if random:
             reads.append(self.current(Graph.RNG))
             replayable = replayable and self.preserve_rng_state
@@ -199,7 +206,8 @@ class Graph:
 
     def add_pack(self, t: torch.Tensor) -> int:
         sid = self.storage_of(t)
-        self.packs.append(Pack(sid, self.current(sid), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype))
+        self.packs.append(Pack(sid, self.current(sid), tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                               t.dtype, node_kind(t)))
         return sid
 
     def finish(self, out) -> None:
@@ -247,6 +255,13 @@ class Graph:
         if sid == Graph.RNG:
             return vid == self.storages[sid].versions[0]
         return vid == self.storages[sid].versions[-1]
+
+
+def node_kind(t: torch.Tensor):
+    """The type of autograd node that produced ``t``. Views count as one kind: which view node
+    reshape records differs with a dispatch mode active (``ViewBackward0`` under the tracer,
+    ``ReshapeAliasBackward0`` without), and the trace must match the calls that run without."""
+    return "view" if t._is_view() else type(t.grad_fn)
 
 
 def _nbytes(r: Ref) -> int:

@@ -27,7 +27,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
 from gradaccel._plan import Plan, _view, capture_rng, make_plan, rng_bytes
-from gradaccel._trace import Graph, Recorder
+from gradaccel._trace import Graph, Recorder, node_kind
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
 
@@ -219,7 +219,7 @@ class _TraceFrame(_Frame):
 
 
 def _same_meta(t: torch.Tensor, pack) -> bool:
-    return t.dtype == pack.dtype and t.shape == pack.size
+    return t.dtype == pack.dtype and t.shape == pack.size and node_kind(t) == pack.grad_fn
 
 
 # -- the public API ----------------------------------------------------------------------------

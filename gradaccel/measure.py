@@ -1,0 +1,46 @@
+"""Exact activation-memory measurement on any device, by storage (see DESIGN.md, Measuring)."""
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class _StorageLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # A view or an in-place result shares an input's storage: only new storages count.
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                if st._cdata in inputs:
+                    continue
+                seen = self.created.get(st._cdata)
+                if seen is None or seen[0].expired():  # a freed storage's address can be reused
+                    self.created[st._cdata] = (StorageWeakRef(st), st.nbytes())
+        return out
+
+
+def held_activation_bytes(fn, *args, **kwargs):
+    """Runs ``fn(*args, **kwargs)`` and measures what its forward leaves alive for backward.
+
+    Counts the bytes of storages created inside the forward that are still alive after it,
+    each storage once however many views share it, excluding the storages of the outputs
+    (the caller holds those) and anything that existed before (parameters, inputs).
+
+    Returns:
+        ``(output, bytes)``.
+    """
+    existing = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    log = _StorageLog()
+    with log:
+        out = fn(*args, **kwargs)
+    outputs = {t.untyped_storage()._cdata for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+    held = sum(nbytes for key, (ref, nbytes) in log.created.items()
+               if not ref.expired() and key not in outputs and key not in existing)
+    return out, held
