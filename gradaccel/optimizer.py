@@ -135,6 +135,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._offsets: list[int] = []
         self._views: list[torch.Tensor] = []     # shaped fp32 views into the flat buffer
         self._stamps: list[int] = []             # micro-step at which param i was last folded
+        self._lowp: list[int] = []               # indices of parameters that have an fp32 master
+        self._versions: list[int] = []           # their ._version after our last write
         # [micro-steps so far, micro-step at which the window began]; shared with the hooks.
         self._clock = [0, 0]
         self._handles: list = []
@@ -224,6 +226,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             self._params.append(p)
             self._targets.append(target)
             self._stamps.append(-1)
+            self._versions.append(p._version)
+            if target is not p:
+                self._lowp.append(i)
             self._handles.append(p.register_post_accumulate_grad_hook(
                 _make_hook(self._views, self._stamps, self._clock, i)))
             out.append(target)
@@ -406,6 +411,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         return True
 
     def _apply(self, touched: list[bool]) -> None:
+        self._sync_masters()
         targets, views = self._targets, self._views
         for t, q, v in zip(touched, targets, views):
             # A parameter with no gradient in the whole window keeps grad None, as in stock
@@ -415,11 +421,23 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.optimizer.step()
         for q in targets:
             q.grad = None  # the views alias the buffer; drop them so nothing is held between windows
-        if self.master_weights:
-            lowp = [(p, m) for p, m in zip(self._params, targets) if p is not m]
-            if lowp:
-                ps, ms = zip(*lowp)
-                torch._foreach_copy_(list(ps), list(ms))  # round to nearest even, like .to(dtype)
+        if self._lowp:
+            ps = [self._params[i] for i in self._lowp]
+            torch._foreach_copy_(ps, [targets[i] for i in self._lowp])  # round to nearest even, like .to(dtype)
+            for i, p in zip(self._lowp, ps):
+                self._versions[i] = p._version
+
+    def _sync_masters(self) -> None:
+        """Re-reads masters from parameters changed in place since the last update.
+
+        A parameter's version counter moves when something else writes it (model.load_state_dict,
+        a manual edit); its master would otherwise overwrite that change at the next update.
+        """
+        for i in self._lowp:
+            p = self._params[i]
+            if p._version != self._versions[i]:
+                self._targets[i].copy_(p)
+                self._versions[i] = p._version
 
     def _reset_window(self) -> None:
         self._micro = 0
@@ -474,6 +492,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 if m is not None:
                     t.copy_(m)
                     p.copy_(t)
+            self._versions[:] = [p._version for p in self._params]
         self._micro = int(extra["micro"])
         self._clock[0] = self._micro
         self._clock[1] = 0

@@ -394,3 +394,52 @@ def test_slices_of_earlier_windows_do_not_leak():
         ref_opt.zero_grad()
         assert opt.last_grad_norm == pytest.approx(ref_norm.item(), rel=1e-6)
         assert _max_diff(mods, ref) < 1e-7
+
+
+def test_masters_follow_params_changed_outside_and_new_groups_get_masters():
+    model = _mlp(dtype=torch.bfloat16)
+    head = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    start = copy.deepcopy(model.state_dict())
+    fresh = _mlp(dtype=torch.bfloat16)
+    fresh_opt = FusedAccumOptimizer(torch.optim.SGD(fresh.parameters(), lr=0.1), 1, master_weights=True)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 1, master_weights=True)
+    x = torch.randn(4, 8).to(torch.bfloat16)
+    model(x).float().sum().backward()
+    assert opt.step()
+    # Loading weights after the optimizer was built: the next update starts from them, not from
+    # the stale masters (SGD without momentum has no state, so this equals a fresh run).
+    model.load_state_dict(start)
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        m(x).float().sum().backward()
+        assert o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    opt.add_param_group({"params": head.parameters(), "lr": 0.5})
+    assert [p.dtype for p in opt.param_groups[1]["params"]] == [torch.float32] * 2
+    before = head.weight.clone()
+    head(model(x)).float().sum().backward()
+    assert opt.step()
+    assert not torch.equal(before, head.weight)
+    assert torch.equal(head.weight, opt.param_groups[1]["params"][0].to(torch.bfloat16))
+
+
+def test_closure_hooks_removed_when_dropped_and_takeover():
+    model = _mlp()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    x = torch.randn(2, 8)
+
+    def closure():
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure) is False
+    with pytest.warns(UserWarning, match="another FusedAccumOptimizer"):
+        opt2 = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    model(x).sum().backward()  # only the new wrapper folds it
+    assert all(p.grad is None for p in model.parameters())
+    assert opt2.micro_step == 0 and opt2.step() is False
+    del opt, opt2
+    import gc
+    gc.collect()
+    model(x).sum().backward()  # no wrapper left: stock .grad accumulation again
+    assert all(p.grad is not None for p in model.parameters())
