@@ -192,19 +192,46 @@ class ActivationStore:
 # ---- saved-tensor hooks ------------------------------------------------------------------------
 
 
-class _Packed:
-    """A saved tensor parked in the store; releases its handle when autograd drops it."""
+class _Stored:
+    """Bytes parked in the store under one handle (a whole storage, or one tensor); released
+    when the last saved tensor that uses them is dropped by autograd."""
 
-    __slots__ = ("store", "handle", "index", "staged", "__weakref__")
+    __slots__ = ("store", "handle", "index", "staged", "_storage", "__weakref__")
 
     def __init__(self, store: ActivationStore, handle: int, index: int):
         self.store, self.handle, self.index, self.staged = store, handle, index, False
+        self._storage = None  # weakref to the storage last fetched, shared by views unpacked together
+
+    def fetch(self) -> torch.Tensor:
+        self.staged = False  # fetch hands the staged copy out; the next one copies again
+        return self.store.fetch(self.handle)
+
+    def storage(self) -> torch.UntypedStorage:
+        s = self._storage() if self._storage is not None else None
+        if s is None:
+            s = self.fetch().untyped_storage()
+            self._storage = weakref.ref(s)
+        return s
 
     def __del__(self):
         try:
             self.store.release(self.handle)
         except Exception:  # interpreter shutdown: the store may be gone already
             pass
+
+
+class _View:
+    """A saved tensor that is a view into an offloaded storage."""
+
+    __slots__ = ("stored", "dtype", "offset", "size", "stride")
+
+    def __init__(self, stored: _Stored, t: torch.Tensor):
+        self.stored, self.dtype = stored, t.dtype
+        self.offset, self.size, self.stride = t.storage_offset(), t.size(), t.stride()
+
+    def unpack(self) -> torch.Tensor:
+        storage = self.stored.storage()
+        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(storage, self.offset, self.size, self.stride)
 
 
 def _worth_offloading(t: torch.Tensor, min_bytes: int) -> bool:
@@ -224,15 +251,17 @@ def offload_saved_tensors(store: ActivationStore | None = None, *, min_bytes: in
 
     The asynchronous counterpart of ``torch.autograd.graph.save_on_cpu``: the device-to-host
     copies run on a side stream while the forward goes on, and in backward each unpacked
-    tensor starts the copies of the ``prefetch_ahead`` tensors saved just before it (the next
-    ones backward needs). Tensors under ``min_bytes``, parameters and inputs that require
-    grad (and views of them) are kept as they are. A tensor the store refuses (``host_budget``
-    exhausted, or host memory refused) is kept on its device, with one warning.
+    tensor starts the copies of the ``prefetch_ahead`` storages saved just before it (the next
+    ones backward needs). Bytes belong to storages: views of one storage (``q``, ``k``, ``v``
+    of one projection; a tensor and its reshape) are copied once, as the whole storage, unless
+    the view covers less than a quarter of it (then the view alone is copied). Tensors under ``min_bytes``, parameters and inputs
+    that require grad (and views of them) are kept as they are. A tensor the store refuses
+    (``host_budget`` exhausted, or host memory refused) is kept on its device, with one warning.
 
     Args:
-        store: the store to use (``None``: a new unbounded one).
+        store: the store to use (``None``: a new one with default settings).
         min_bytes: smallest tensor worth a copy.
-        prefetch_ahead: how many tensors to bring back ahead of backward's need (0: none).
+        prefetch_ahead: how many storages to bring back ahead of backward's need (0: none).
 
     Returns:
         A context manager yielding the store. Buffers go back to the pool as autograd frees
@@ -243,38 +272,80 @@ def offload_saved_tensors(store: ActivationStore | None = None, *, min_bytes: in
     if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) or prefetch_ahead < 0:
         raise ValueError(f"prefetch_ahead must be an int >= 0, got {prefetch_ahead!r}")
     store = ActivationStore() if store is None else store
-    packed: weakref.WeakValueDictionary[int, _Packed] = weakref.WeakValueDictionary()
+    by_index: weakref.WeakValueDictionary[int, _Stored] = weakref.WeakValueDictionary()
+    # One copy per storage (or per tensor, for small views). Storages' Python objects are not
+    # kept alive, tensors' are: id(base or tensor) -> (weakref to it, its version, the copy).
+    copied: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
+
+    def lookup(key: torch.Tensor, t: torch.Tensor):
+        hit = copied.get(id(key))
+        if hit is None:
+            return None
+        key_ref, version, stored_ref = hit
+        stored = stored_ref()
+        return stored if key_ref() is key and version == t._version else None
+
+    def remember(key: torch.Tensor, t: torch.Tensor, stored: _Stored) -> None:
+        if len(copied) > 2 * len(by_index) + 64:  # forget what died
+            for k in [k for k, (r, _, q) in copied.items() if r() is None or q() is None]:
+                del copied[k]
+        copied[id(key)] = (weakref.ref(key), t._version, weakref.ref(stored))
     counter = itertools.count()
     alloc_warned = False
 
-    def pack(t: torch.Tensor):
+    def offload(t: torch.Tensor) -> _Stored | None:
         nonlocal alloc_warned
-        if not _worth_offloading(t, min_bytes):
-            return t
         try:
             handle = store.offload(t)
         except HostAllocationError as exc:
             if not alloc_warned:
                 alloc_warned = True
                 warnings.warn(f"gradaccel offload_saved_tensors: keeping tensors on the device: {exc}", RuntimeWarning,
-                              stacklevel=2)
-            return t
+                              stacklevel=3)
+            return None
         if handle is None:
+            return None
+        stored = _Stored(store, handle, next(counter))
+        by_index[stored.index] = stored
+        return stored
+
+    def pack(t: torch.Tensor):
+        if not _worth_offloading(t, min_bytes):
             return t
-        p = _Packed(store, handle, next(counter))
-        packed[p.index] = p
-        return p
+        if t.is_conj() or t.is_neg():  # the bits in the storage are not the values: copy the values
+            stored = offload(t)
+            return t if stored is None else stored
+        base = t._base if t._base is not None else t
+        stored = lookup(base, t)
+        if stored is not None:
+            return _View(stored, t)
+        storage = t.untyped_storage()
+        if storage.nbytes() > 4 * t.numel() * t.element_size():
+            # A small view of a big storage: copy just the view (once, if saved twice).
+            stored = lookup(t, t) or offload(t)
+            if stored is None:
+                return t
+            remember(t, t, stored)
+            return stored
+        stored = offload(t.new_empty(0, dtype=torch.uint8).set_(storage))
+        if stored is None:
+            return t
+        remember(base, t, stored)
+        return _View(stored, t)
 
     def unpack(p):
-        if not isinstance(p, _Packed):
+        if isinstance(p, _View):
+            stored = p.stored
+        elif isinstance(p, _Stored):
+            stored = p
+        else:
             return p
-        for i in range(p.index - 1, p.index - 1 - prefetch_ahead, -1):
-            q = packed.get(i)
+        for i in range(stored.index - 1, stored.index - 1 - prefetch_ahead, -1):
+            q = by_index.get(i)
             if q is not None and not q.staged:
                 q.staged = True
                 store.prefetch(q.handle)
-        p.staged = False  # fetch hands the staged copy out; a second unpack copies again
-        return store.fetch(p.handle)
+        return p.unpack() if isinstance(p, _View) else stored.fetch()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield store

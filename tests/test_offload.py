@@ -253,6 +253,30 @@ def test_hooks_skip_parameters_and_small_tensors():
     assert store.stats()["handles"] == 0  # dropping a graph without backward releases its buffers
 
 
+def test_hooks_copy_each_storage_once():
+    torch.manual_seed(0)
+    inp, w = torch.randn(64, 64), torch.randn(64, 192, requires_grad=True)
+
+    def f():
+        h = inp @ w
+        q, k, v = h.split(64, dim=1)  # three views of h's storage, saved by two products
+        big = inp @ w.repeat(1, 10)
+        small = big[:, :10]  # a small view of a big storage: only the view is copied
+        return (q * k).sum() + (k * v.t().t()).sum() + small.sin().sum(), h, small
+
+    loss, h, small = f()
+    ref = torch.autograd.grad(loss, w)[0]
+    store = ActivationStore()
+    with offload_saved_tensors(store, min_bytes=0):
+        loss2, h, small = f()
+    # h's storage once for its three views, inp (saved by both products) once, the small view.
+    assert store.stats()["handles"] == 3 and store.bytes_in_use == h.nbytes + inp.nbytes + small.nbytes
+    del h, small
+    assert torch.equal(loss2, loss) and torch.equal(torch.autograd.grad(loss2, w)[0], ref)
+    del loss2
+    assert store.stats()["handles"] == 0
+
+
 def test_hooks_retain_graph_double_backward():
     model = _model(layers=1)
     x = torch.randn(2, 16, 64)
