@@ -86,6 +86,16 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     Attributes:
         skipped_steps: windows skipped because their gradient was not finite.
         last_grad_norm: float, the total gradient norm of the last finished window.
+
+    Notes:
+        At the update the inner optimizer sees fp32 ``.grad`` views into the flat buffer on fp32
+        parameters and masters (a bf16/fp16 parameter without a master gets a temporary copy in
+        its dtype); they are set back to None afterwards, so nothing but the buffer is held
+        between windows. A parameter that got no gradient in a window keeps ``.grad`` None, as in
+        stock PyTorch. Parameters with ``requires_grad=False`` at construction get no slice.
+        A bf16/fp16 parameter written in place outside the optimizer (``model.load_state_dict``)
+        is re-read into its master before the next update. ``add_param_group`` must be called on
+        the wrapper, not the inner optimizer. The hooks go when the wrapper is collected.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, accum_steps: int, *,
@@ -273,10 +283,22 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         elif isinstance(params, set):
             raise TypeError("optimizer parameters need to be organized in ordered collections, "
                             "but the ordering of tensors in sets will change between runs")
-        n_before = len(self._params)
-        group["params"] = self._adopt(list(params))
-        self.optimizer.add_param_group(group)
-        if len(self._params) != n_before:
+        n_params, n_frozen = len(self._params), len(self._frozen)
+        try:
+            group["params"] = self._adopt(list(params))
+            self.optimizer.add_param_group(group)
+        except Exception:
+            # Leave no hooks behind for a group the inner optimizer refused.
+            for h in self._handles[n_params:]:
+                h.remove()
+            for p in self._params[n_params:]:
+                del self._index[id(p)]
+            for lst in (self._params, self._targets, self._stamps, self._versions, self._handles):
+                del lst[n_params:]
+            self._lowp[:] = [i for i in self._lowp if i < n_params]
+            del self._frozen[n_frozen:]
+            raise
+        if len(self._params) != n_params:
             self._grow_flat()
 
     # --- the training loop ---------------------------------------------------------------------

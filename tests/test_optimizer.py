@@ -443,3 +443,17 @@ def test_closure_hooks_removed_when_dropped_and_takeover():
     gc.collect()
     model(x).sum().backward()  # no wrapper left: stock .grad accumulation again
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_refused_param_group_leaves_no_hooks():
+    model, extra = _mlp(), torch.nn.Linear(3, 1)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    with pytest.raises(ValueError):  # refused half-way: the first one was already adopted
+        opt.add_param_group({"params": [extra.weight, extra.weight]})
+    with pytest.raises(ValueError):
+        opt.add_param_group({"params": [model[0].weight]})
+    extra(torch.randn(2, 3)).sum().backward()
+    assert extra.weight.grad is not None  # no hook of ours took it
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": extra.parameters()})
+    assert len(opt.param_groups) == 2 and opt._flat.numel() == sum(p.numel() for p in model.parameters()) + 4
