@@ -168,14 +168,21 @@ class ActivationStore : public torch::CustomClassHolder {
 
   ~ActivationStore() override {
     std::lock_guard<std::mutex> lock(mu_);
-    // No buffer may go back to the system while a copy still reads or writes it.
+    // No buffer may go back to the system while a copy still reads or writes it. A destructor
+    // must not throw: a CUDA error here (the runtime already torn down at exit) is ignored.
+    auto wait = [](Event& ev) {
+      try {
+        ev.synchronize();
+      } catch (...) {
+      }
+    };
     for (auto& [handle, e] : entries_) {
-      e.last_use().synchronize();
+      wait(e.last_use());
       if (e.buf.ptr) free_buffer(e.buf);
     }
     entries_.clear();
     for (auto& p : pending_) {
-      p.second.synchronize();
+      wait(p.second);
       free_buffer(p.first);
     }
     pending_.clear();
@@ -393,7 +400,7 @@ class ActivationStore : public torch::CustomClassHolder {
       ++alloc_failures_;
       TORCH_CHECK_WITH(OutOfMemoryError, false, "gradaccel ActivationStore: could not allocate ", cap, " bytes of ",
                        pin_ ? "pinned host" : "host", " memory (", reserved_,
-                       " bytes already held by the store); the store is unchanged and still usable");
+                       " bytes already held by the store); nothing leaked and the store is still usable");
     }
     reserved_ += cap;
     ++buffers_;
