@@ -1,6 +1,7 @@
 """gradaccel.offload: the activation store and its saved-tensor hooks, against plain PyTorch."""
 
 import gc
+import threading
 import time
 import warnings
 
@@ -171,6 +172,11 @@ def test_accounting_matches():
     assert store.stats()["buffers"] == 0 and store.bytes_reserved == 0
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
 def test_pool_flat_over_100_steps():
     model = _model()
     x = torch.randn(2, 32, 64)
@@ -178,8 +184,11 @@ def test_pool_flat_over_100_steps():
     _step(model, x, offload_saved_tensors(store, min_bytes=0))
     first = store.stats()
     assert first["misses"] > 0 and first["handles"] == 0  # every saved tensor released after backward
-    for _ in range(99):
+    for i in range(99):
         _step(model, x, offload_saved_tensors(store, min_bytes=0))
+        if i == 9:
+            rss = _rss()
+    assert _rss() - rss < 1 << 20  # host memory flat (the pool holds about 0.6 MiB)
     last = store.stats()
     assert last["misses"] == first["misses"] and last["buffers"] == first["buffers"]
     assert last["bytes_reserved"] == first["bytes_reserved"] and last["handles"] == 0
@@ -219,6 +228,30 @@ def test_inflight_copies_are_bounded():
     assert unbounded.stats()["throttled"] == 0
     for h in handles:
         unbounded.release(h)
+
+
+def test_threads_share_one_store():
+    store = ActivationStore()
+    errors = []
+
+    def work(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            for n in range(1, 200):
+                t = torch.randn(n * 7, generator=g)
+                h = store.offload(t)
+                assert torch.equal(store.fetch(h), t)
+                store.release(h)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    s = store.stats()
+    assert not errors and s["handles"] == 0 and s["bytes_in_use"] == 0 and s["hits"] + s["misses"] == 4 * 199
 
 
 # ---- gradients through the hooks --------------------------------------------------------------
