@@ -40,25 +40,53 @@ def _register_cuda() -> None:
     global _cuda_lib
     if _cuda_lib is not None:
         return
-    from triton_kernels import accumulate as kernels
-
-    def scale_accumulate_cuda(acc, grad, scale):
-        if not acc.is_contiguous() and torch._C._debug_has_internal_overlap(acc) == 1:
-            raise RuntimeError("gradaccel.scale_accumulate_: acc has overlapping elements (an "
-                               "expanded view); accumulate into a tensor that owns its memory")
-        kernels.scale_accumulate(acc, grad, scale)
-
-    def fold_cuda(flat, grads, offsets, scale):
-        kernels.fold(flat, grads, offsets, scale)
-
-    def finalize_cuda(flat, scale):
-        return kernels.finalize(flat, scale.to(device=flat.device, dtype=torch.float32))
-
     lib = torch.library.Library("gradaccel", "IMPL")
-    lib.impl("scale_accumulate_", scale_accumulate_cuda, "CUDA")
-    lib.impl("fold_", fold_cuda, "CUDA")
-    lib.impl("finalize_", finalize_cuda, "CUDA")
+    lib.impl("scale_accumulate_", _scale_accumulate_triton, "CUDA")
+    lib.impl("fold_", _fold_triton, "CUDA")
+    lib.impl("finalize_", _finalize_triton, "CUDA")
     _cuda_lib = lib  # the registrations live as long as this object
+
+
+# The CUDA kernels of the ops. Plain functions of the op's schema, so that tests can also run
+# them on CPU tensors through the Triton interpreter.
+_kernels = None
+
+
+def _triton():
+    global _kernels
+    if _kernels is None:
+        try:
+            from triton_kernels import accumulate as kernels
+        except ImportError as exc:  # a CUDA machine without Triton: the CPU ops still work
+            kernels = _MissingTriton(exc)
+        _kernels = kernels
+    return _kernels
+
+
+def _scale_accumulate_triton(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
+    if not acc.is_contiguous() and torch._debug_has_internal_overlap(acc) == 1:
+        raise RuntimeError("gradaccel.scale_accumulate_: acc has overlapping elements (an "
+                           "expanded view); accumulate into a tensor that owns its memory")
+    _triton().scale_accumulate(acc, grad, scale)
+
+
+def _fold_triton(flat: torch.Tensor, grads: list, offsets: list, scale: float) -> None:
+    _triton().fold(flat, grads, offsets, scale)
+
+
+def _finalize_triton(flat: torch.Tensor, scale: torch.Tensor):
+    return _triton().finalize(flat, scale.to(device=flat.device, dtype=torch.float32))
+
+
+class _MissingTriton:
+    """Stands in for the Triton launchers where Triton cannot be imported."""
+
+    def __init__(self, exc: ImportError):
+        self.exc = exc
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"gradaccel's CUDA kernels are written in Triton, which failed to import "
+                           f"({self.exc}); install it with `pip install triton`") from self.exc
 
 
 def _check_grad(name: str, grad) -> None:

@@ -399,3 +399,31 @@ def test_finalize_rejects_bad_input(device):
     if device == "cpu":
         with pytest.raises(RuntimeError, match="0-d"):
             _op("finalize_")(flat, torch.ones(2))
+
+
+def test_cuda_kernels_glue():
+    """The functions registered as the ops' CUDA kernels, run here on CPU tensors (interpreter)."""
+    acc, grad = rand(33, torch.float32, "cpu", 100), rand(33, torch.float16, "cpu", 101)
+    acc0 = acc.clone()
+    ops._scale_accumulate_triton(acc, grad, 0.5)
+    assert_accumulated(acc, acc0, grad, 0.5)
+    with pytest.raises(RuntimeError, match="overlapping"):
+        ops._scale_accumulate_triton(torch.zeros(1).expand(4), grad[:4], 1.0)
+    grads, offsets, total = _layout("cpu", [(17, torch.bfloat16), (40, torch.bfloat16)], 3)
+    flat = rand(total, torch.float32, "cpu", 102)
+    flat0 = flat.clone()
+    ops._fold_triton(flat, grads, offsets, 2.0)
+    for g, off in zip(grads, offsets):
+        assert_accumulated(flat[off:off + g.numel()], flat0[off:off + g.numel()], g, 2.0)
+    # A float64 scale is read as float32.
+    folded = flat.clone()
+    sumsq, nonfinite = ops._finalize_triton(flat, torch.tensor(0.1, dtype=torch.float64))
+    assert torch.equal(flat, folded * f32(0.1))
+    assert sumsq.item() == pytest.approx(flat.double().square().sum().item(), rel=2 * ULP, abs=0)
+    assert not nonfinite.item()
+
+
+def test_missing_triton_says_how_to_fix():
+    stand_in = ops._MissingTriton(ImportError("No module named 'triton'"))
+    with pytest.raises(RuntimeError, match="pip install triton"):
+        stand_in.fold
