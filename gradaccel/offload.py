@@ -196,22 +196,28 @@ class _Stored:
     """Bytes parked in the store under one handle (a whole storage, or one tensor); released
     when the last saved tensor that uses them is dropped by autograd."""
 
-    __slots__ = ("store", "handle", "index", "staged", "_storage", "__weakref__")
+    __slots__ = ("store", "handle", "index", "staged", "views", "_unpacked", "_on_device", "__weakref__")
 
     def __init__(self, store: ActivationStore, handle: int, index: int):
         self.store, self.handle, self.index, self.staged = store, handle, index, False
-        self._storage = None  # weakref to the storage last fetched, shared by views unpacked together
+        self.views = 0  # saved views of this storage
+        # The storage brought back is shared by its views until each has been unpacked once (in
+        # one backward): one host-to-device copy per storage, held no longer than autograd
+        # would hold the original.
+        self._unpacked, self._on_device = 0, None
 
     def fetch(self) -> torch.Tensor:
         self.staged = False  # fetch hands the staged copy out; the next one copies again
         return self.store.fetch(self.handle)
 
-    def storage(self) -> torch.UntypedStorage:
-        s = self._storage() if self._storage is not None else None
-        if s is None:
-            s = self.fetch().untyped_storage()
-            self._storage = weakref.ref(s)
-        return s
+    def view(self, dtype: torch.dtype, offset: int, size, stride) -> torch.Tensor:
+        if self._on_device is None:
+            self._on_device = self.fetch().untyped_storage()
+        storage = self._on_device
+        self._unpacked += 1
+        if self._unpacked % self.views == 0:
+            self._on_device = None
+        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
     def __del__(self):
         try:
@@ -227,11 +233,11 @@ class _View:
 
     def __init__(self, stored: _Stored, t: torch.Tensor):
         self.stored, self.dtype = stored, t.dtype
+        stored.views += 1
         self.offset, self.size, self.stride = t.storage_offset(), t.size(), t.stride()
 
     def unpack(self) -> torch.Tensor:
-        storage = self.stored.storage()
-        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(storage, self.offset, self.size, self.stride)
+        return self.stored.view(self.dtype, self.offset, self.size, self.stride)
 
 
 def _worth_offloading(t: torch.Tensor, min_bytes: int) -> bool:

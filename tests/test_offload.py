@@ -310,6 +310,23 @@ def test_hooks_copy_each_storage_once():
     assert store.stats()["handles"] == 0
 
 
+def test_hooks_views_unpacked_together_share_one_copy():
+    torch.manual_seed(0)
+    inp, w = torch.randn(64, 64), torch.randn(64, 128, requires_grad=True)
+    q, k = (inp @ w).split(64, dim=1)
+    ref = torch.autograd.grad((q * k).sum(), w)[0]
+    store = ActivationStore()
+    fetches = []
+    fetch = store.fetch
+    store.fetch = lambda h: fetches.append(h) or fetch(h)
+    with offload_saved_tensors(store, min_bytes=0):
+        q, k = (inp @ w).split(64, dim=1)
+        loss = (q * k).sum()
+    del q, k
+    assert torch.equal(torch.autograd.grad(loss, w)[0], ref)
+    assert len(fetches) == 2  # the product's q and k: one copy of their storage; inp for the matmul
+
+
 def test_hooks_retain_graph_double_backward():
     model = _model(layers=1)
     x = torch.randn(2, 16, 64)
