@@ -260,9 +260,10 @@ def offload_saved_tensors(store: ActivationStore | None = None, *, min_bytes: in
     tensor starts the copies of the ``prefetch_ahead`` storages saved just before it (the next
     ones backward needs). Bytes belong to storages: views of one storage (``q``, ``k``, ``v``
     of one projection; a tensor and its reshape) are copied once, as the whole storage, unless
-    the view covers less than a quarter of it (then the view alone is copied). Tensors under ``min_bytes``, parameters and inputs
-    that require grad (and views of them) are kept as they are. A tensor the store refuses
-    (``host_budget`` exhausted, or host memory refused) is kept on its device, with one warning.
+    the view covers less than a quarter of it (then the view alone is copied); in backward the
+    views share one copy. Tensors under ``min_bytes``, parameters and inputs that require grad
+    (and views of them) are kept as they are. A tensor the store refuses (``host_budget``
+    exhausted, or host memory refused) is kept on its device, with one warning.
 
     Args:
         store: the store to use (``None``: a new one with default settings).
@@ -391,7 +392,7 @@ def _measure_bandwidth(device: str) -> tuple[float, float]:
             torch.cuda.synchronize(device)
 
     d2h, h2d = [], []
-    for _ in range(4):  # the first run allocates the buffer; the best of the rest counts
+    for _ in range(6):  # the first run allocates the buffer; the best of the rest counts
         sync()
         t0 = time.perf_counter()
         h = store.offload(x)
