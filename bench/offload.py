@@ -103,8 +103,6 @@ def run(device: str, quick: bool) -> list[dict]:
     """Rows for each case and variant: ``time`` and bytes held (see the module docstring)."""
     rows = []
     cuda = device.startswith("cuda")
-    if not cuda:
-        torch.set_num_threads(int(os.environ.get("GRADACCEL_BENCH_THREADS", "1")))
     configs = _configs(device, quick)
     for i, (case, cfg, batch) in enumerate(configs, 1):
         progress(case, i, len(configs))
