@@ -1,7 +1,20 @@
-"""gradaccel: exact fused gradient accumulation and budgeted selective recompute for PyTorch."""
+"""gradaccel: exact fused gradient accumulation and budgeted selective recompute for PyTorch.
+
+- :func:`checkpoint`, :func:`checkpoint_sequential`: drop-ins for ``torch.utils.checkpoint``
+  that keep the activations worth keeping under a memory ``budget``; :func:`checkpoint_blocks`
+  applies it to every transformer block of a model; :func:`plan_report` shows the plans.
+- :class:`FusedAccumOptimizer`: wraps any ``torch.optim`` optimizer so that gradients are
+  accumulated exactly in one fp32 buffer while the training loop stays the stock one.
+- :mod:`gradaccel.ops`: the fused accumulate kernels (C++ on CPU, Triton on CUDA).
+"""
 
 from gradaccel.version import __version__
 from gradaccel import ops
-from gradaccel.checkpoint import checkpoint, checkpoint_sequential
+from gradaccel.blocks import checkpoint_blocks
+from gradaccel.checkpoint import checkpoint, checkpoint_sequential, plan_report, plan_rows, reset_plans
+from gradaccel.optimizer import FusedAccumOptimizer
 
-__all__ = ["__version__", "ops", "checkpoint", "checkpoint_sequential"]
+__all__ = [
+    "__version__", "ops", "checkpoint", "checkpoint_sequential", "checkpoint_blocks", "plan_report",
+    "plan_rows", "reset_plans", "FusedAccumOptimizer",
+]

@@ -104,7 +104,8 @@ def _owner(fn):
 
 
 def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
-    parts = [func, spec, budget, preserve, getattr(owner, "training", None)]
+    # type(budget): 1 (one byte) and 1.0 (everything) are equal, and hash alike, in Python.
+    parts = [func, spec, type(budget), budget, preserve, getattr(owner, "training", None)]
     for x in flat:
         if isinstance(x, torch.Tensor):
             parts.append((x.shape, x.dtype, x.device, x.requires_grad))

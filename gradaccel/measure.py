@@ -6,7 +6,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-class _StorageLog(TorchDispatchMode):
+class StorageLog(TorchDispatchMode):
+    """Logs every storage created while active (weakly; views and in-place results excluded).
+
+    It is a dispatch mode: code whose behaviour depends on whether one is active (torch's
+    selective checkpoint replays ops by index) must see one in its backward too; running that
+    backward under another ``StorageLog`` keeps the two passes alike.
+    """
+
     def __init__(self):
         super().__init__()
         self.created: dict[int, tuple[StorageWeakRef, int]] = {}
@@ -37,7 +44,7 @@ def held_activation_bytes(fn, *args, **kwargs):
         ``(output, bytes)``.
     """
     existing = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-    log = _StorageLog()
+    log = StorageLog()
     with log:
         out = fn(*args, **kwargs)
     outputs = {t.untyped_storage()._cdata for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}

@@ -235,6 +235,17 @@ def test_planner_finds_megatron_selective_policy():
     assert ours - none <= 0.30 * (full - none)
 
 
+def test_one_byte_and_everything_are_different_budgets():
+    block = make_block(dropout=0.0)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    _, full = held_activation_bytes(block, x)
+    for budget, expected in ((1, 0), (1.0, full)):
+        for _ in range(2):
+            out, held = held_activation_bytes(lambda t: gradaccel.checkpoint(block, t, budget=budget), x)
+            out.sum().backward()
+        assert held == expected
+
+
 def test_new_shape_plans_again_and_plans_are_reused():
     block = make_block(dropout=0.0, seq_len=64)
     for T in (16, 16, 32, 16, 32):
