@@ -1,6 +1,6 @@
 """`python -m bench`: run gradaccel side by side with stock PyTorch and write the results.
 
-    python -m bench [--suite accumulate,checkpoint,train] [--device cpu|cuda] [--quick|--full]
+    python -m bench [--suite accumulate,checkpoint,offload,train] [--device cpu|cuda] [--quick|--full]
                     [--out DIR] [--results-md PATH]
 
 Writes to DIR (default bench/results/latest): results.json and results.csv (one row per
@@ -36,7 +36,7 @@ import time
 import traceback
 from pathlib import Path
 
-SUITES = ("accumulate", "checkpoint", "train")
+SUITES = ("accumulate", "checkpoint", "offload", "train")  # the default: all of them
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest"
 
 
