@@ -41,6 +41,7 @@ class Case:
     windows: int           # windows of the loss curve
     reps: int              # timed windows per variant
     dtype: torch.dtype = torch.float32
+    lr: float = 3e-3
 
 
 def _cases(device: str, quick: bool) -> list[Case]:
@@ -49,15 +50,15 @@ def _cases(device: str, quick: bool) -> list[Case]:
     if device.startswith("cuda"):
         big = GPTConfig(seq_len=256, n_layer=6 if quick else 12, n_embd=768, n_head=12,
                         vocab_size=8192, dropout=0.1)
-        return [Case(f"gpt-{big.n_layer}x{big.n_embd}-fp32", big, 8, 8, 10 if quick else 30, 10 if quick else 30),
-                Case(f"gpt-{big.n_layer}x{big.n_embd}-bf16", big, 8, 8, 10 if quick else 30,
-                     10 if quick else 30, torch.bfloat16)]
+        n = 10 if quick else 30
+        return [Case(f"gpt-{big.n_layer}x{big.n_embd}-fp32", big, 8, 8, n, n, lr=6e-4),
+                Case(f"gpt-{big.n_layer}x{big.n_embd}-bf16", big, 8, 8, n, n, torch.bfloat16, lr=6e-4)]
     if quick:
         cfg = GPTConfig(seq_len=64, n_layer=2, n_embd=128, n_head=4, dropout=0.1)
         return [Case("gpt-2x128-fp32", cfg, 8, 4, 16, 25)]
     cfg = GPTConfig(seq_len=128, n_layer=4, n_embd=256, n_head=8, dropout=0.1)
-    return [Case("gpt-4x256-fp32", cfg, 8, 4, 30, 21),
-            Case("gpt-4x256-bf16", cfg, 8, 4, 30, 21, torch.bfloat16)]
+    return [Case("gpt-4x256-fp32", cfg, 8, 4, 30, 21, lr=1e-3),
+            Case("gpt-4x256-bf16", cfg, 8, 4, 30, 21, torch.bfloat16, lr=1e-3)]
 
 
 class _Loop:
@@ -65,7 +66,7 @@ class _Loop:
 
     def __init__(self, model: GPT, fused: bool, case: Case, data: torch.Tensor) -> None:
         self.model, self.fused, self.case, self.data = model, fused, case, data
-        inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        inner = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1)
         master = case.dtype != torch.float32
         self.opt = FusedAccumOptimizer(inner, case.accum, master_weights=master) if fused else inner
         self.cursor = 0
@@ -107,7 +108,7 @@ def _grad_memory(loop: _Loop) -> tuple[int, int]:
         s = g.untyped_storage()
         storages[s.data_ptr()] = s.nbytes()
     if loop.fused:
-        flat = loop.opt._flat  # the one fp32 window buffer
+        flat = loop.opt.grad_buffer  # the one fp32 window buffer
         storages[flat.untyped_storage().data_ptr()] = flat.untyped_storage().nbytes()
     return sum(storages.values()), len(grads)
 

@@ -188,6 +188,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     @property
+    def grad_buffer(self) -> torch.Tensor:
+        """The flat fp32 window buffer (1-D; parameter i's slice in adoption order). Read only."""
+        return self._flat
+
+    @property
     def micro_step(self) -> int:
         """Micro-batches already stepped in the current window (0 .. accum_steps-1)."""
         return self._micro

@@ -456,4 +456,4 @@ def test_refused_param_group_leaves_no_hooks():
     assert extra.weight.grad is not None  # no hook of ours took it
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": extra.parameters()})
-    assert len(opt.param_groups) == 2 and opt._flat.numel() == sum(p.numel() for p in model.parameters()) + 4
+    assert len(opt.param_groups) == 2 and opt.grad_buffer.numel() == sum(p.numel() for p in model.parameters()) + 4
