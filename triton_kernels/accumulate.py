@@ -15,16 +15,18 @@ Three ops, all in fp32 arithmetic with int64 element offsets and every load mask
 Launchers take tensors that the caller (``gradaccel.ops``) has already validated.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 # Rank the strided kernel indexes directly; the launcher collapses contiguous runs of dims first.
 _MAX_DIMS = 4
-# Grads of one dtype share one fold launch; the kernel reads them through typed pointers.
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# The fold reads each grad through a pointer typed by this code (csrc/accumulate.cpp agrees).
+DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Fold plan: int64 columns per grad (address, numel, offset, first block, dtype code).
+ROW = 5
+# Elements per fold program: fixed, because the plan (built before launch) maps blocks to grads.
+FOLD_BLOCK, FOLD_WARPS = 4096, 8
 
 
 def block_config(numel: int) -> tuple[int, int]:
@@ -43,11 +45,18 @@ def _scale_accumulate_kernel(acc_ptr, grad_ptr, numel, scale,
                              acc_s0, acc_s1, acc_s2, acc_s3,
                              grad_s0, grad_s1, grad_s2, grad_s3,
                              CONTIGUOUS: tl.constexpr, BLOCK: tl.constexpr):
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    idx = start + tl.arange(0, BLOCK)
     mask = idx < numel
     if CONTIGUOUS:
-        acc_off = idx
-        grad_off = idx
+        if start + BLOCK <= numel:
+            # Full block, unmasked, so the loads vectorise whatever numel is.
+            g = tl.load(grad_ptr + idx).to(tl.float32)
+            tl.store(acc_ptr + idx, tl.load(acc_ptr + idx) + g * scale)
+        else:
+            g = tl.load(grad_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            a = tl.load(acc_ptr + idx, mask=mask, other=0.0)
+            tl.store(acc_ptr + idx, a + g * scale, mask=mask)
     else:
         # Row-major multi-index of up to 4 (collapsed) dims; dim 0's size is implied by numel.
         i3 = idx % size3
@@ -58,37 +67,58 @@ def _scale_accumulate_kernel(acc_ptr, grad_ptr, numel, scale,
         i0 = rest // size1
         acc_off = i0 * acc_s0 + i1 * acc_s1 + i2 * acc_s2 + i3 * acc_s3
         grad_off = i0 * grad_s0 + i1 * grad_s1 + i2 * grad_s2 + i3 * grad_s3
-    g = tl.load(grad_ptr + grad_off, mask=mask, other=0.0).to(tl.float32)
-    a = tl.load(acc_ptr + acc_off, mask=mask, other=0.0)
-    tl.store(acc_ptr + acc_off, a + g * scale, mask=mask)
+        g = tl.load(grad_ptr + grad_off, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(acc_ptr + acc_off, mask=mask, other=0.0)
+        tl.store(acc_ptr + acc_off, a + g * scale, mask=mask)
 
 
 @triton.jit
-def _fold_kernel(flat_ptr, grad_addr_ptr, meta_ptr, block_map_ptr, scale,
-                 GRAD_DTYPE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    t = tl.load(block_map_ptr + pid).to(tl.int64)
-    numel = tl.load(meta_ptr + 3 * t)
-    offset = tl.load(meta_ptr + 3 * t + 1)
-    first_block = tl.load(meta_ptr + 3 * t + 2)
-    grad_ptr = tl.load(grad_addr_ptr + t).to(tl.pointer_type(GRAD_DTYPE))
+def _load_grad_typed(addr, idx, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, FULL: tl.constexpr):
+    ptr = addr.to(tl.pointer_type(DTYPE))
     if ALIGNED:
-        # The launcher checked: every grad address is 16-byte aligned, every offset a multiple
-        # of 4 fp32. Values read from memory carry no alignment facts, and without these hints
-        # the loads stay scalar.
-        grad_ptr = tl.multiple_of(grad_ptr, 16)
-        offset = tl.multiple_of(offset, 4)
+        # Values read from memory carry no alignment facts; without this the loads stay scalar.
+        ptr = tl.multiple_of(ptr, 16)
+    if FULL:
+        g = tl.load(ptr + idx)
+    else:
+        g = tl.load(ptr + idx, mask=mask, other=0.0)
+    return g.to(tl.float32)
+
+
+@triton.jit
+def _load_grad(addr, code, idx, mask, ALIGNED: tl.constexpr, FULL: tl.constexpr):
+    # The dtype code is uniform over a program: the branch costs one scalar compare.
+    if code == 1:
+        g = _load_grad_typed(addr, idx, mask, tl.bfloat16, ALIGNED, FULL)
+    elif code == 2:
+        g = _load_grad_typed(addr, idx, mask, tl.float16, ALIGNED, FULL)
+    else:
+        g = _load_grad_typed(addr, idx, mask, tl.float32, ALIGNED, FULL)
+    return g
+
+
+@triton.jit
+def _fold_kernel(flat_ptr, table_ptr, block_map_ptr, scale,
+                 ROW: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    row = table_ptr + tl.load(block_map_ptr + pid).to(tl.int64) * ROW
+    addr = tl.load(row + 0)
+    numel = tl.load(row + 1)
+    offset = tl.load(row + 2)
+    first_block = tl.load(row + 3)
+    code = tl.load(row + 4)
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 4)  # 16 bytes of fp32
     start = (pid - first_block).to(tl.int64) * BLOCK
     idx = start + tl.arange(0, BLOCK)
     acc_ptrs = flat_ptr + offset + idx
-    grad_ptrs = grad_ptr + idx
+    mask = idx < numel
     if start + BLOCK <= numel:
-        # A full block: a mask derived from a loaded numel would also block vectorisation.
-        g = tl.load(grad_ptrs).to(tl.float32)
+        # A full block, unmasked: a mask from a loaded numel would also block vectorisation.
+        g = _load_grad(addr, code, idx, mask, ALIGNED, True)
         tl.store(acc_ptrs, tl.load(acc_ptrs) + g * scale)
     else:
-        mask = idx < numel
-        g = tl.load(grad_ptrs, mask=mask, other=0.0).to(tl.float32)
+        g = _load_grad(addr, code, idx, mask, ALIGNED, False)
         a = tl.load(acc_ptrs, mask=mask, other=0.0)
         tl.store(acc_ptrs, a + g * scale, mask=mask)
 
@@ -99,10 +129,15 @@ def _finalize_kernel(flat_ptr, scale_ptr, sq_partial_ptr, bad_partial_ptr, numel
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     mask = idx < numel
-    x = tl.load(flat_ptr + idx, mask=mask, other=0.0) * tl.load(scale_ptr)
-    tl.store(flat_ptr + idx, x, mask=mask)
-    # Masked lanes are 0 * scale, which is NaN for an infinite scale: keep them out.
-    x = tl.where(mask, x, 0.0)
+    scale = tl.load(scale_ptr)
+    if (pid + 1) * BLOCK <= numel:
+        x = tl.load(flat_ptr + idx) * scale  # full block, unmasked: vectorised
+        tl.store(flat_ptr + idx, x)
+    else:
+        x = tl.load(flat_ptr + idx, mask=mask, other=0.0) * scale
+        tl.store(flat_ptr + idx, x, mask=mask)
+        # Masked lanes are 0 * scale, which is NaN for an infinite scale: keep them out.
+        x = tl.where(mask, x, 0.0)
     x64 = x.to(tl.float64)
     # fp64 squares: an fp32 square overflows from |x| ~ 1.8e19, long before the values are inf.
     tl.store(sq_partial_ptr + pid, tl.sum(x64 * x64, axis=0))
@@ -181,58 +216,70 @@ def scale_accumulate(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> Non
     acc.copy_(tmp)
 
 
-@functools.lru_cache(maxsize=64)
-def _fold_layout(numels: tuple, offsets: tuple, block: int, device: torch.device):
-    """Per-tensor (numel, offset, first block) table and block -> tensor map for one layout.
+def fold_plan_capacity(flat_numel: int, n_grads: int) -> int:
+    """int64 slots that a fold plan of ``n_grads`` grads into ``flat_numel`` elements may need.
 
-    The optimizer folds the same parameter layout every micro-batch, so this is built (and sent
-    to the device) once; per call only the grad addresses change.
+    Disjoint slices hold at most ``flat_numel`` elements, so they span at most
+    ``flat_numel // FOLD_BLOCK + n_grads`` blocks.
     """
-    meta, block_map = [], []
-    for t, (n, off) in enumerate(zip(numels, offsets)):
-        meta += [n, off, len(block_map)]
-        block_map += [t] * triton.cdiv(n, block)
-    return (torch.tensor(meta, dtype=torch.int64).to(device),
-            torch.tensor(block_map, dtype=torch.int32).to(device))
+    return 4 + n_grads + ROW * n_grads + (flat_numel // FOLD_BLOCK + n_grads + 1) // 2 + 1
+
+
+def make_fold_plan(flat: torch.Tensor, grads: list, offsets: list) -> torch.Tensor:
+    """The fold plan built in Python (``gradaccel.ops`` builds the same one in C++, faster).
+
+    Layout (int64, CPU): a header ``[rows, blocks, aligned, k]``; the indices of the ``k``
+    non-contiguous grads (folded separately); ``rows`` table rows ``[address, numel, offset,
+    first block, dtype code]``, one per non-empty contiguous grad; then the block -> row map as
+    ``blocks`` int32 values packed two per slot.
+    """
+    strided = [i for i, g in enumerate(grads) if g.numel() and not g.is_contiguous()]
+    table, block_map = [], []
+    aligned = flat.data_ptr() % 16 == 0
+    for g, off in zip(grads, offsets):
+        n = g.numel()
+        if n == 0 or not g.is_contiguous():
+            continue
+        aligned = aligned and g.data_ptr() % 16 == 0 and off % 4 == 0
+        table += [g.data_ptr(), n, off, len(block_map), DTYPE_CODE[g.dtype]]
+        block_map += [len(table) // ROW - 1] * triton.cdiv(n, FOLD_BLOCK)
+    header = [len(table) // ROW, len(block_map), int(aligned), len(strided)]
+    if len(block_map) % 2:
+        block_map.append(0)
+    packed = torch.tensor(block_map, dtype=torch.int32).view(torch.int64)
+    return torch.cat([torch.tensor(header + strided + table, dtype=torch.int64), packed])
+
+
+def fold_planned(flat: torch.Tensor, grads: list, offsets: list, plan: torch.Tensor, scale: float) -> None:
+    """Launches the fold described by ``plan`` (see :func:`make_fold_plan`): one launch for every
+    contiguous grad, whatever their dtypes; each non-contiguous grad goes through the strided
+    single-tensor kernel onto a view of its slice."""
+    rows, blocks, aligned, k = plan[:4].tolist()
+    for i in plan[4:4 + k].tolist():
+        g = grads[i]
+        scale_accumulate(flat[offsets[i]:offsets[i] + g.numel()].view(g.shape), g, scale)
+    if blocks == 0:
+        return
+    t0 = 4 + k
+    m0 = t0 + ROW * rows
+    plan = plan[:m0 + (blocks + 1) // 2]
+    if flat.device.type != "cpu":
+        # Pageable memory: the copy is staged before this returns, so the plan may be freed.
+        plan = plan.to(flat.device, non_blocking=True)
+    _fold_kernel[(blocks,)](flat, plan[t0:m0], plan[m0:].view(torch.int32), scale,
+                            ROW=ROW, ALIGNED=bool(aligned), BLOCK=FOLD_BLOCK, num_warps=FOLD_WARPS)
 
 
 def fold(flat: torch.Tensor, grads: list, offsets: list, scale: float) -> None:
     """For each i: ``flat[offsets[i]:offsets[i] + grads[i].numel()] += grads[i].float() * scale``.
 
-    One kernel launch per grad dtype present for the contiguous grads; a non-contiguous grad
-    goes through the strided single-tensor kernel onto a view of its slice.
-
     Args:
         flat: 1-D contiguous fp32 buffer.
-        grads: fp32/bf16/fp16 tensors on ``flat``'s device.
+        grads: fp32/bf16/fp16 tensors on ``flat``'s device, any shapes and strides.
         offsets: element offset of each grad's slice in ``flat``; slices in bounds, disjoint.
         scale: multiplier, applied in fp32.
     """
-    groups: dict = {}
-    for g, off in zip(grads, offsets):
-        n = g.numel()
-        if n == 0:
-            continue
-        if not g.is_contiguous():
-            scale_accumulate(flat[off:off + n].view(g.shape), g, scale)
-            continue
-        groups.setdefault(g.dtype, []).append((g, n, off))
-    for dtype, items in groups.items():
-        if len(items) == 1:
-            g, n, off = items[0]
-            scale_accumulate(flat[off:off + n], g.view(-1), scale)
-            continue
-        block, warps = block_config(max(n for _, n, _ in items))
-        meta, block_map = _fold_layout(tuple(n for _, n, _ in items), tuple(o for _, _, o in items),
-                                       block, flat.device)
-        addrs = torch.tensor([g.data_ptr() for g, _, _ in items], dtype=torch.int64)
-        if flat.device.type != "cpu":
-            addrs = addrs.to(flat.device, non_blocking=True)
-        aligned = (flat.data_ptr() % 16 == 0 and all(g.data_ptr() % 16 == 0 and off % 4 == 0
-                                                     for g, _, off in items))
-        _fold_kernel[(block_map.numel(),)](flat, addrs, meta, block_map, scale,
-                                           GRAD_DTYPE=_TL_DTYPE[dtype], ALIGNED=aligned,
-                                           BLOCK=block, num_warps=warps)
+    fold_planned(flat, grads, offsets, make_fold_plan(flat, grads, offsets), scale)
 
 
 def finalize(flat: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
