@@ -8,6 +8,7 @@
 // synchronous memcpy and events that are complete at birth, so it is all tested without a GPU.
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -199,8 +200,8 @@ class ActivationStore : public torch::CustomClassHolder {
     TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "ActivationStore.offload: needs a CPU or CUDA tensor, got ",
                 t.device());
 #ifndef GRADACCEL_WITH_CUDA
-    TORCH_CHECK(t.device().is_cpu(), "ActivationStore.offload: gradaccel was built without CUDA; rebuild it with CUDA to offload ",
-                t.device(), " tensors");
+    TORCH_CHECK(t.device().is_cpu(), "ActivationStore.offload: gradaccel was built without CUDA; ",
+                "rebuild it with CUDA to offload ", t.device(), " tensors");
 #endif
     TORCH_CHECK(t.device().is_cpu() || pin_,
                 "ActivationStore.offload: offloading a CUDA tensor needs a store with pin_memory=True");
@@ -254,6 +255,9 @@ class ActivationStore : public torch::CustomClassHolder {
     Entry& e = entry(handle);
     stage(e);
     e.read.block(current_stream(e.device));
+#ifdef GRADACCEL_WITH_CUDA
+    if (e.device.is_cuda() && e.nbytes > 0) e.staged.record_stream(cuda_impl()->getStream(e.device));
+#endif
     return std::move(e.staged);
   }
 
@@ -265,11 +269,8 @@ class ActivationStore : public torch::CustomClassHolder {
     Entry e = std::move(it->second);
     entries_.erase(it);
     bytes_in_use_ -= e.nbytes;
-    if (e.staged.defined()) {
-      // Prefetched, never fetched: the compute stream must not reuse that memory before the copy into it ends.
-      e.read.block(current_stream(e.device));
-      e.staged.reset();
-    }
+    // Prefetched, never fetched: that memory belongs to the side stream, which reuses it in order.
+    e.staged.reset();
     if (e.buf.ptr) put_back(e.buf, std::move(e.last_use()));
   }
 
@@ -492,27 +493,37 @@ class ActivationStore : public torch::CustomClassHolder {
   // Makes sure e.staged holds the tensor on its device (or a copy into it is under way).
   void stage(Entry& e) {
     if (e.staged.defined()) return;
-    at::Tensor dst = at::empty_strided(e.sizes, e.strides, at::TensorOptions().dtype(e.dtype).device(e.device));
-    if (e.nbytes > 0) {
-      if (e.device.is_cpu()) {
+    const auto options = at::TensorOptions().dtype(e.dtype).device(e.device);
+    if (e.device.is_cpu()) {
+      at::Tensor dst = at::empty_strided(e.sizes, e.strides, options);
+      if (e.nbytes > 0) {
         e.written.synchronize();
         std::memcpy(dst.mutable_data_ptr(), e.buf.ptr, e.nbytes);
         e.read = Event::cpu(defer_cpu_);
-      } else {
-#ifdef GRADACCEL_WITH_CUDA
-        c10::DeviceGuard guard(e.device);
-        Lanes& lanes = lanes_for(e.device);
-        // dst's block may come from tensors that work still queued on the compute stream uses.
-        wait_for_compute(lanes, lanes.h2d);
-        e.written.block(native(lanes.h2d));
-        cuda_check(store_cuda::copy_async(dst.mutable_data_ptr(), e.buf.ptr, e.nbytes, /*to_host=*/false,
-                                          native(lanes.h2d)),
-                   "host-to-device cudaMemcpyAsync");
-        e.read = Event::record(native(lanes.h2d));
-#endif
       }
+      e.staged = std::move(dst);
+      return;
+    }
+#ifdef GRADACCEL_WITH_CUDA
+    c10::DeviceGuard guard(e.device);
+    Lanes& lanes = lanes_for(e.device);
+    at::Tensor dst;
+    {
+      // The side stream's own memory: the copy into it need not wait for the compute stream
+      // (memory that stream allocates may still be read by its queued work). fetch() records
+      // the compute stream's use, so the block outlives that use too.
+      c10::StreamGuard on_side(lanes.h2d);
+      dst = at::empty_strided(e.sizes, e.strides, options);
+    }
+    if (e.nbytes > 0) {
+      e.written.block(native(lanes.h2d));
+      cuda_check(store_cuda::copy_async(dst.mutable_data_ptr(), e.buf.ptr, e.nbytes, /*to_host=*/false,
+                                        native(lanes.h2d)),
+                 "host-to-device cudaMemcpyAsync");
+      e.read = Event::record(native(lanes.h2d));
     }
     e.staged = std::move(dst);
+#endif
   }
 
   void* current_stream(const at::Device& device) {
