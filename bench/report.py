@@ -121,27 +121,42 @@ def fmt_ratio(r: float) -> str:
 
 def suite_table(rows: Sequence[dict], baseline: str | Sequence[str] | None = None,
                 metrics: Sequence[str] | None = None) -> str:
-    """A markdown table of one suite: a line per (case, metric), a column per variant.
+    """Markdown tables of one suite: a line per (case, metric), a column per variant.
 
     The baseline's cell holds its value; every other cell holds ``value / baseline`` as ``0.520x``,
     or the plain value (marked ``=``) where the (case, metric) has no baseline or it is zero.
+    Lines go case by case, metrics in order within a case. Cases measured with the same set of
+    variants share a table; a case with another set (a different kind of case) gets its own.
 
     Args:
         rows: the suite's rows.
         baseline: the suite's ``BASELINE`` (see :func:`pick_baseline`).
-        metrics: the suite's ``TABLE_METRICS``: only these metrics, in this order; default all.
+        metrics: the suite's ``TABLE_METRICS``: only these metrics, in this order; default all,
+            in order of appearance.
     """
-    if metrics is not None:
-        order = {m: k for k, m in enumerate(metrics)}
-        rows = sorted((r for r in rows if r["metric"] in order), key=lambda r: order[r["metric"]])
-    groups: dict[tuple[str, str], dict[str, dict]] = {}
-    for r in rows:
-        groups.setdefault((r["case"], r["metric"]), {})[r["variant"]] = r
-    if not groups:
+    if metrics is None:
+        metrics = list(dict.fromkeys(r["metric"] for r in rows))
+    metric_rank = {m: k for k, m in enumerate(metrics)}
+    rows = [r for r in rows if r["metric"] in metric_rank]
+    if not rows:
         return "_no rows_\n"
+    case_rank = {c: k for k, c in enumerate(dict.fromkeys(r["case"] for r in rows))}
+    groups: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in sorted(rows, key=lambda r: (case_rank[r["case"]], metric_rank[r["metric"]])):
+        groups.setdefault((r["case"], r["metric"]), {})[r["variant"]] = r
+    variant_sets: dict[str, frozenset] = {}
+    for r in rows:
+        variant_sets[r["case"]] = variant_sets.get(r["case"], frozenset()) | {r["variant"]}
+    clusters: dict[frozenset, dict] = {}
+    for key, g in groups.items():
+        clusters.setdefault(variant_sets[key[0]], {})[key] = g
+    return "\n".join(_table(c, baseline) for c in clusters.values())
+
+
+def _table(groups: dict[tuple[str, str], dict[str, dict]], baseline) -> str:
     bases = {key: pick_baseline(g, baseline) for key, g in groups.items()}
     # Baselines first, then the other torch variants, then ours, each in order of appearance.
-    seen = list(dict.fromkeys(r["variant"] for r in rows))
+    seen = list(dict.fromkeys(v for g in groups.values() for v in g))
     base_names = [v for v in seen if v in set(bases.values())]
     columns = base_names + [v for v in seen if v not in base_names and v.startswith("torch")] \
         + [v for v in seen if v not in base_names and not v.startswith("torch")]
