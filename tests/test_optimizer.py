@@ -134,7 +134,8 @@ def test_clipping_matches_clip_grad_norm(max_norm):
         assert _max_diff(model, ref) < 2e-6
 
 
-def test_bf16_master_weights_are_exact_fp32_accumulation():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_master_weights_are_exact_fp32_accumulation(dtype):
     steps = 64
     seen = []
 
@@ -145,7 +146,7 @@ def test_bf16_master_weights_are_exact_fp32_accumulation():
             seen.extend(p.grad.detach().double().clone() for g in self.param_groups for p in g["params"])
             return super().step(closure)
 
-    model = _mlp(dtype=torch.bfloat16, din=32, dh=64, dout=8)
+    model = _mlp(dtype=dtype, din=32, dh=64, dout=8)
     grads_ref = copy.deepcopy(model)   # per-micro-batch bf16 grads, summed in fp64
     plain = copy.deepcopy(model)       # stock: bf16 .grad accumulation
     opt = FusedAccumOptimizer(Record(model.parameters(), lr=0.01), steps, master_weights=True)
@@ -156,7 +157,7 @@ def test_bf16_master_weights_are_exact_fp32_accumulation():
     exact = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
     g = torch.Generator().manual_seed(0)
     for k in range(steps):
-        x = torch.randn(4, 32, generator=g).to(torch.bfloat16)
+        x = torch.randn(4, 32, generator=g).to(dtype)
         model(x).float().square().mean().backward()
         for acc, gr in zip(exact, torch.autograd.grad(grads_ref(x).float().square().mean(),
                                                       list(grads_ref.parameters()))):
@@ -171,11 +172,11 @@ def test_bf16_master_weights_are_exact_fp32_accumulation():
 
     assert rel(seen) < 1e-6
     assert rel([p.grad.double() / steps for p in plain.parameters()]) > 1e-4
-    # After the update the params are the masters rounded to bf16, bit for bit.
+    # After the update the params are the masters rounded to their dtype, bit for bit.
     for p, m in zip(model.parameters(), masters):
-        assert p.dtype == torch.bfloat16
-        assert torch.equal(p, m.to(torch.bfloat16))
-        assert not torch.equal(m, m.to(torch.bfloat16).float())  # the master keeps more bits
+        assert p.dtype == dtype
+        assert torch.equal(p, m.to(dtype))
+        assert not torch.equal(m, m.to(dtype).float())  # the master keeps more bits
 
 
 def test_non_finite_window_is_skipped():
@@ -457,3 +458,20 @@ def test_refused_param_group_leaves_no_hooks():
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": extra.parameters()})
     assert len(opt.param_groups) == 2 and opt.grad_buffer.numel() == sum(p.numel() for p in model.parameters()) + 4
+
+
+def test_bf16_params_without_masters_get_a_bf16_grad_of_the_fp32_sum():
+    model = _mlp(dtype=torch.bfloat16)
+    start = [p.clone() for p in model.parameters()]
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), 3)
+    total = [torch.zeros(p.shape) for p in model.parameters()]
+    for k in range(3):
+        x = torch.randn(2, 8).to(torch.bfloat16)
+        grads = torch.autograd.grad(model(x).float().sum(), list(model.parameters()))
+        for t, g in zip(total, grads):
+            t += g.float()
+        model(x).float().sum().backward()
+        opt.step(num_items=None)
+    assert opt.param_groups[0]["params"][0] is model[0].weight  # no masters: the params themselves
+    for p, p0, t in zip(model.parameters(), start, total):
+        assert torch.equal(p, p0 - 0.5 * (t / 3).to(torch.bfloat16))
