@@ -21,6 +21,8 @@ What a suite is (the convention every ``bench/<suite>.py`` follows):
 - Optional ``BASELINE = "torch-…"`` (or a list, first present wins): the variant each other
   variant of the same (case, metric) is divided by in the table. Undeclared, it is the variant
   named ``torch``, else the only ``torch…`` variant of that (case, metric).
+- Leave process-wide settings to the front end: it sets torch's thread count (``--threads``,
+  1 on CPU by default), seeds torch with 0 before each suite, and selects matplotlib's Agg.
 - Optional ``TABLE_METRICS = ["time", …]``: only these metrics enter the table, in this order
   (per-step series such as loss curves stay in the files and plots only).
 
@@ -100,7 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "so suites run in seconds; the numbers mean nothing")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's own choice)")
+                   help="torch intra-op threads; 0: torch's own choice (default on CPU: "
+                        "$GRADACCEL_BENCH_THREADS or 1, so ratios do not depend on how busy the "
+                        "other cores are; on CUDA: torch's own choice)")
     p.add_argument("--results-md", type=Path, default=None, metavar="PATH",
                    help="also copy the tables into PATH (e.g. bench/RESULTS.md), replacing the "
                         "section of the same device")
@@ -199,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         a.quick = True
     elif a.quick is None:
         a.quick = a.device == "cpu"
+    if a.threads is None and a.device == "cpu":
+        a.threads = int(os.environ.get("GRADACCEL_BENCH_THREADS", "1"))
     if a.threads:
         torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
