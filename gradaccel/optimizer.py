@@ -197,6 +197,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         """Micro-batches already stepped in the current window (0 .. accum_steps-1)."""
         return self._micro
 
+    def __getstate__(self):
+        # The base class would pickle only defaults/state/param_groups and unpickle into a
+        # wrapper with no buffer and no hooks: fail loudly instead.
+        raise TypeError("FusedAccumOptimizer holds hooks on its parameters and cannot be pickled "
+                        "or deep-copied; save and load state_dict() instead")
+
     def __repr__(self) -> str:
         return (f"FusedAccumOptimizer(accum_steps={self.accum_steps}, normalize={self.normalize!r}, "
                 f"max_grad_norm={self.max_grad_norm}, master_weights={self.master_weights})\n"

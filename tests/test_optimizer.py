@@ -475,3 +475,9 @@ def test_bf16_params_without_masters_get_a_bf16_grad_of_the_fp32_sum():
     assert opt.param_groups[0]["params"][0] is model[0].weight  # no masters: the params themselves
     for p, p0, t in zip(model.parameters(), start, total):
         assert torch.equal(p, p0 - 0.5 * (t / 3).to(torch.bfloat16))
+
+
+def test_pickling_is_refused_with_guidance():
+    opt = FusedAccumOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1), 2)
+    with pytest.raises(TypeError, match="state_dict"):
+        copy.deepcopy(opt)
