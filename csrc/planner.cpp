@@ -132,13 +132,11 @@ std::vector<char> greedy(const Problem& p, std::vector<char> kept, const std::ve
   return kept;
 }
 
-// Returns (kept mask over candidates, replayed ops in order, replay cost, exact, fits budget).
-pybind11::tuple plan(std::vector<double> op_cost, std::vector<bool> op_replayable,
+Problem make_problem(std::vector<double> op_cost, std::vector<bool> op_replayable,
                      std::vector<std::vector<int64_t>> op_inputs, std::vector<int64_t> value_producer,
                      std::vector<int64_t> value_storage, std::vector<bool> value_leaf,
                      std::vector<bool> storage_available, std::vector<int64_t> candidates,
-                     std::vector<int64_t> candidate_bytes, std::vector<int64_t> candidate_value,
-                     int64_t budget, int64_t node_limit) {
+                     std::vector<int64_t> candidate_bytes, std::vector<int64_t> candidate_value) {
   const size_t n_ops = op_cost.size(), n_values = value_producer.size();
   TORCH_CHECK(op_replayable.size() == n_ops && op_inputs.size() == n_ops,
               "gradaccel planner: op arrays differ in length");
@@ -158,10 +156,14 @@ pybind11::tuple plan(std::vector<double> op_cost, std::vector<bool> op_replayabl
                 "gradaccel planner: bad candidate value ", candidate_value[i]);
     TORCH_CHECK(candidate_bytes[i] >= 0, "gradaccel planner: negative bytes");
   }
-  Problem p{std::move(op_cost),        std::move(op_replayable),     std::move(op_inputs),
-            std::move(value_producer), std::move(value_storage),     std::move(value_leaf),
-            std::move(storage_available), std::move(candidates), std::move(candidate_bytes),
-            std::move(candidate_value)};
+  return Problem{std::move(op_cost),        std::move(op_replayable),     std::move(op_inputs),
+                 std::move(value_producer), std::move(value_storage),     std::move(value_leaf),
+                 std::move(storage_available), std::move(candidates), std::move(candidate_bytes),
+                 std::move(candidate_value)};
+}
+
+// Returns (kept mask over candidates, replayed ops in order, replay cost, exact, fits budget).
+pybind11::tuple plan(const Problem& p, int64_t budget, int64_t node_limit) {
   const size_t n = p.candidates.size();
 
   // A candidate that cannot be rebuilt even with every other one kept must be kept.
@@ -208,14 +210,32 @@ pybind11::tuple plan(std::vector<double> op_cost, std::vector<bool> op_replayabl
   return pybind11::make_tuple(kept_out, ops, cost, fits && !s.exhausted, fits && !s.best_kept.empty());
 }
 
+// (replay cost, replayed ops in order) when candidate i is available iff available[i].
+pybind11::tuple replay(const Problem& p, const std::vector<bool>& available) {
+  TORCH_CHECK(available.size() == p.candidates.size(), "gradaccel planner: one flag per candidate expected");
+  std::vector<char> mask(available.begin(), available.end()), ops_mask;
+  double cost = p.replay_cost(mask, &ops_mask);
+  std::vector<int64_t> ops;
+  for (size_t i = 0; i < ops_mask.size(); ++i)
+    if (ops_mask[i]) ops.push_back(static_cast<int64_t>(i));
+  return pybind11::make_tuple(cost, ops);
+}
+
 }  // namespace
 
 void init_planner(pybind11::module_& m) {
-  m.def("plan", &plan,
-        "Choose which candidate storages to keep under `budget` bytes so replay cost is least.\n"
-        "Returns (kept mask, replayed op ids in order, replay cost, exact, fits budget).",
-        pybind11::arg("op_cost"), pybind11::arg("op_replayable"), pybind11::arg("op_inputs"),
-        pybind11::arg("value_producer"), pybind11::arg("value_storage"), pybind11::arg("value_leaf"),
-        pybind11::arg("storage_available"), pybind11::arg("candidates"), pybind11::arg("candidate_bytes"),
-        pybind11::arg("candidate_value"), pybind11::arg("budget"), pybind11::arg("node_limit") = 200000);
+  namespace py = pybind11;
+  py::class_<Problem>(m, "PlanProblem",
+                      "A traced region as the planner sees it: ops (cost, replayable, input values), values\n"
+                      "(producer op, storage, usable as a leaf), storages available regardless of the plan,\n"
+                      "and the candidate storages with their bytes and the value backward needs of each.")
+      .def(py::init(&make_problem), py::arg("op_cost"), py::arg("op_replayable"), py::arg("op_inputs"),
+           py::arg("value_producer"), py::arg("value_storage"), py::arg("value_leaf"),
+           py::arg("storage_available"), py::arg("candidates"), py::arg("candidate_bytes"),
+           py::arg("candidate_value"))
+      .def("plan", &plan, py::arg("budget"), py::arg("node_limit") = 200000,
+           "Choose which candidates to keep within `budget` bytes so replay cost is least.\n"
+           "Returns (kept mask, replayed op ids in order, replay cost, exact, fits budget).")
+      .def("replay", &replay, py::arg("available"),
+           "(replay cost, replayed op ids) when the flagged candidates are available.");
 }

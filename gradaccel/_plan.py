@@ -10,12 +10,13 @@ its casts are ops of their own) and the generator restored to its state at regio
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradaccel import _ext
-from gradaccel._trace import Graph, Ref
+from gradaccel._trace import FLOPS_PER_BYTE, Graph, Ref
 
 
 @dataclasses.dataclass
@@ -26,7 +27,7 @@ class Plan:
     keep: list  # per pack: True = keep (the tensor stays alive), False = drop and replay
     steps: list  # op ids to replay, in order
     reads: dict  # (op id, leaf index) -> "leaf" | "replay" | "meta": where a tensor argument comes from
-    leaf_sources: dict  # storage id -> ("pack", k) | ("arg", i) | ("obj", weakref) | ("out", j)
+    leaf_sources: dict  # storage -> ("pack", k) | ("arg", i) | ("obj", weakref) | ("out", j) | ("offload", s)
     uses_rng: bool
     kept_bytes: int  # activation bytes this plan holds after forward
     total_bytes: int  # activation bytes the region holds without checkpointing
@@ -35,6 +36,9 @@ class Plan:
     cost: float
     exact: bool
     fits: bool
+    offloaded: set = dataclasses.field(default_factory=set)  # storages sent to host memory
+    offloaded_bytes: int = 0
+    fallback: "Plan | None" = None  # the plan without offload, if host memory runs out
 
     # -- what the forward needs ------------------------------------------------------------
     @property
@@ -77,7 +81,7 @@ class Plan:
                 for sid, i in op.new_storages:
                     env[sid] = out_leaves[i]
         return {k: _view(env[p.storage], p.size, p.stride, p.offset, p.dtype)
-                for k, p in enumerate(graph.packs) if not self.keep[k]}
+                for k, p in enumerate(graph.packs) if not self.keep[k] and p.storage not in self.offloaded}
 
     def _arg(self, op_id, i, x, env, leaves):
         if not isinstance(x, Ref):
@@ -125,14 +129,48 @@ def _rng_restored(state):
         yield
 
 
+@functools.cache
+def offload_cost_per_byte(device: torch.device) -> float:
+    """What sending one byte to host memory and back costs, in the units of op costs.
+
+    Op costs count the bytes an op reads and writes at the device's memory bandwidth; a copy
+    of n bytes moves 2n there, so a round trip costs 2 * (bandwidth / d2h + bandwidth / h2d)
+    per byte, with copy speeds measured once per process (gradaccel.offload.copy_bandwidth).
+    """
+    from gradaccel.offload import copy_bandwidth
+
+    d2h, h2d = copy_bandwidth(device)
+    if device.type == "cuda":
+        x = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+        y = torch.empty_like(x)
+        y.copy_(x)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            y.copy_(x)
+        end.record()
+        end.synchronize()
+        local = 5 * x.numel() / (start.elapsed_time(end) / 1e3)
+        balance = FLOPS_PER_BYTE["cuda"]
+    else:
+        local, balance = (d2h + h2d) / 2, FLOPS_PER_BYTE["cpu"]
+    return 2 * balance * (local / d2h + local / h2d)
+
+
 def rng_bytes(graph: Graph) -> int:
     cpu, cuda = capture_rng({s.device for s in graph.storages})
     return cpu.numel() + sum(s.numel() for _, s in cuda)
 
 
-def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None) -> Plan:
+def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
+              offload_cost_per_byte: float | None = None) -> Plan:
     """Plans ``graph``: under ``budget_bytes``, or (the traced call itself) with exactly the
     storages in ``dropped`` dropped and every other saved storage kept.
+
+    With ``offload_cost_per_byte`` (the copy's cost in the units of op costs), storages the
+    budget leaves out go to host memory instead of being recomputed where that costs less:
+    greedily, the one that saves most replay cost per byte first. The plan then carries a
+    ``fallback``: the same plan without offload, for a call whose host memory runs out.
 
     Raises:
         RuntimeError: ``dropped`` is given and cannot all be rebuilt (the traced call already
@@ -141,25 +179,55 @@ def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None) -> Pl
     storages = graph.storages
     packed = {p.storage for p in graph.packs}
     region = [s for s in sorted(packed) if storages[s].creator >= 0 and s not in graph.outputs]
-    total = sum(storages[s].nbytes for s in region)
     candidates = region if dropped is None else sorted(dropped - set(graph.outputs))
     available = [s.creator < 0 or i in graph.outputs or (i in packed and i not in candidates)
                  for i, s in enumerate(storages)]
     final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
     budget = 0 if dropped is not None else budget_bytes
-    planner = _ext.load()
-    kept_mask, steps, cost, exact, fits = planner.plan(
+    nbytes = [storages[s].nbytes for s in candidates]
+    problem = _ext.load().PlanProblem(
         [op.cost for op in graph.ops], [op.replayable for op in graph.ops], [op.reads for op in graph.ops],
         [p for _, p in graph.values], [s for s, _ in graph.values],
         [graph.is_leaf_value(v) for v in range(len(graph.values))], available,
-        candidates, [storages[s].nbytes for s in candidates], [final[s] for s in candidates], budget)
+        candidates, nbytes, [final[s] for s in candidates])
+    kept_mask, steps, cost, exact, fits = problem.plan(budget)
     if dropped is not None and any(kept_mask):
         raise RuntimeError(
             "gradaccel.checkpoint: the region writes in place to a tensor it did not create, so what it "
             "saved for backward cannot be recomputed; use budget=0 (torch.utils.checkpoint) for this region.")
-    kept_storages = {s for s, k in zip(candidates, kept_mask) if k}
-    is_available = lambda s: available[s] or s in kept_storages  # noqa: E731
-    keep = [is_available(p.storage) for p in graph.packs]
+    kept = {s for s, k in zip(candidates, kept_mask) if k}
+    plan = _build(graph, region, available, kept, set(), steps, cost, exact, fits, budget)
+    if offload_cost_per_byte is None:
+        return plan
+    mask, offloaded = list(kept_mask), set()
+    while True:
+        best = None
+        for i, s in enumerate(candidates):
+            if mask[i] or nbytes[i] == 0:
+                continue
+            mask[i] = True
+            saved = cost - problem.replay(mask)[0]
+            mask[i] = False
+            gain = (saved - offload_cost_per_byte * nbytes[i]) / nbytes[i]
+            if gain > 0 and (best is None or gain > best[0]):
+                best = (gain, i)
+        if best is None:
+            break
+        mask[best[1]] = True
+        offloaded.add(candidates[best[1]])
+        cost, steps = problem.replay(mask)
+    if not offloaded:
+        return plan
+    with_offload = _build(graph, region, available, kept, offloaded, steps, cost, exact, fits, budget)
+    with_offload.fallback = plan
+    return with_offload
+
+
+def _build(graph, region, available, kept, offloaded, steps, cost, exact, fits, budget) -> Plan:
+    """The Plan for a choice: which storages are kept and offloaded, which ops replay."""
+    storages = graph.storages
+    on_device = lambda s: available[s] or s in kept  # noqa: E731
+    keep = [on_device(p.storage) for p in graph.packs]
     steps_set = set(steps)
     reads, leaf_needed = {}, set()
     for op_id in steps:
@@ -180,10 +248,12 @@ def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None) -> Pl
         elif storages[s].creator < 0:
             kind, x = storages[s].external
             leaf_sources[s] = ("arg", x) if kind == "arg" else ("obj", x)
+        elif s in offloaded:
+            leaf_sources[s] = ("offload", s)
         else:
             leaf_sources[s] = ("pack", first_pack[s])
-    uses_rng = any(graph.ops[i].random for i in steps)
-    kept_bytes = sum(storages[s].nbytes for s in region if is_available(s))
-    return Plan(graph, keep, steps, reads, leaf_sources, uses_rng, kept_bytes, total, budget,
-                sum(graph.ops[i].flops for i in steps), cost, exact, fits)
-
+    return Plan(graph, keep, steps, reads, leaf_sources, any(graph.ops[i].random for i in steps),
+                sum(storages[s].nbytes for s in region if on_device(s)),
+                sum(storages[s].nbytes for s in region), budget,
+                sum(graph.ops[i].flops for i in steps), cost, exact, fits,
+                offloaded=offloaded, offloaded_bytes=sum(storages[s].nbytes for s in offloaded))

@@ -26,7 +26,7 @@ import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
-from gradaccel._plan import Plan, _view, capture_rng, make_plan, rng_bytes
+from gradaccel._plan import Plan, _view, capture_rng, make_plan, offload_cost_per_byte, rng_bytes
 from gradaccel._trace import Graph, Recorder, node_kind
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
@@ -58,8 +58,9 @@ def _check_budget(budget):
 class _Region:
     """A traced region, its plan and counters, for one callable and one input signature."""
 
-    def __init__(self, name: str, graph: Graph, budget, flat_args: list):
+    def __init__(self, name: str, graph: Graph, budget, flat_args: list, store=None):
         self.name = name
+        self.store = store
         self.graph = graph
         self.budget = budget
         self.signature = ", ".join(
@@ -73,9 +74,15 @@ class _Region:
         return self.budget if isinstance(self.budget, int) else int(self.budget * total)
 
     def _plan(self) -> Plan:
-        plan = make_plan(self.graph, self.budget_bytes(_total_bytes(self.graph)))
-        if plan.uses_rng:  # the saved generator state is held by the region too: it counts
-            plan = make_plan(self.graph, max(0, plan.budget_bytes - rng_bytes(self.graph)))
+        copy_cost = None
+        if self.store is not None:
+            devices = {s.device for s in self.graph.storages}
+            copy_cost = offload_cost_per_byte(next((d for d in devices if d.type == "cuda"), torch.device("cpu")))
+        plan = make_plan(self.graph, self.budget_bytes(_total_bytes(self.graph)), offload_cost_per_byte=copy_cost)
+        if plan.uses_rng or (plan.fallback is not None and plan.fallback.uses_rng):
+            # The saved generator state is held by the region too: it counts against the budget.
+            budget = max(0, plan.budget_bytes - rng_bytes(self.graph))
+            plan = make_plan(self.graph, budget, offload_cost_per_byte=copy_cost)
         return plan
 
 
@@ -164,6 +171,95 @@ class _Frame:
         return not self.diverged and self.k == len(self.plan.keep)
 
 
+class _OffloadFrame(_Frame):
+    """A frame whose plan sends some saved storages to host memory through an ActivationStore.
+
+    The whole storage goes, once, at its first pack (views share it). If the store refuses
+    (``host_budget`` exhausted), the frame falls back to the plan without offload: it
+    recomputes instead, so the device budget still holds.
+    """
+
+    def __init__(self, plan: Plan, flat: list, rng, store):
+        super().__init__(plan, flat, rng)
+        fallback = plan.fallback
+        self.leaves.update({sid: flat[i] for sid, i in fallback.arg_leaves})
+        self.pack_leaves = {**fallback.pack_leaves, **plan.pack_leaves}
+        self.store = store
+        self.handles: dict = {}  # storage -> store handle
+        self.fetched: dict = {}  # storage -> the storage back on its device (bytes)
+        self.fell_back = False
+        self.prefetched = False
+        weakref.finalize(self, _release, store, self.handles)
+        global _previous_offload
+        self.previous, _previous_offload = _previous_offload, weakref.ref(self)
+
+    def pack(self, t: torch.Tensor):
+        k = self.k
+        x = super().pack(t)
+        if type(x) is int and not self.fell_back:
+            sid = self.plan.graph.packs[k].storage
+            if sid in self.plan.offloaded and sid not in self.handles:
+                whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+                handle = self.store.offload(whole)
+                if handle is None:
+                    self.fell_back = True
+                else:
+                    self.handles[sid] = handle
+        return x
+
+    def finish(self, out) -> bool:
+        if self.plan.fallback.out_leaves:
+            outs = tree_flatten(out)[0]
+            for sid, j in self.plan.fallback.out_leaves:
+                self.leaves[sid] = outs[j].detach()
+        return super().finish(out)
+
+    def unpack(self, x):
+        if type(x) is not int:
+            return x
+        if not self.prefetched:  # this region's copies, and the next region's (backward order)
+            self.prefetched = True
+            previous = self.previous() if self.previous is not None else None
+            for frame in (self, previous):
+                for handle in (frame.handles.values() if frame is not None else ()):
+                    self.store.prefetch(handle)
+        if self.fell_back:
+            if self.results is None or x not in self.results:
+                self.results = self.plan.fallback.replay(self.leaves, self.rng)
+            return self.results.pop(x)
+        p = self.plan.graph.packs[x]
+        if p.storage in self.plan.offloaded:
+            return _view(self._fetch(p.storage), p.size, p.stride, p.offset, p.dtype)
+        if self.results is None or x not in self.results:
+            for sid, src in self.plan.leaf_sources.items():
+                if src[0] == "offload":
+                    self.leaves[sid] = self._fetch(sid)
+        return super().unpack(x)
+
+    def _fetch(self, sid: int) -> torch.Tensor:
+        if sid not in self.fetched:
+            self.fetched[sid] = self.store.fetch(self.handles[sid])
+        return self.fetched[sid]
+
+
+_previous_offload = None  # the last frame that offloaded: the next one to prefetch in backward
+_STORES: dict = {}  # host_budget -> ActivationStore, shared by every region that offloads
+
+
+def _store(host_budget):
+    from gradaccel.offload import ActivationStore
+
+    if host_budget not in _STORES:
+        _STORES[host_budget] = ActivationStore(host_budget)
+    return _STORES[host_budget]
+
+
+def _release(store, handles: dict) -> None:
+    for handle in handles.values():
+        store.release(handle)
+    handles.clear()
+
+
 class _TraceFrame(_Frame):
     """The first call: records the graph and drops every saved tensor that can be rebuilt."""
 
@@ -225,7 +321,8 @@ def _same_meta(t: torch.Tensor, pack) -> bool:
 
 # -- the public API ----------------------------------------------------------------------------
 @torch._disable_dynamo
-def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentrant=None, **kwargs):
+def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentrant=None, offload=False,
+               host_budget=None, **kwargs):
     """Drop-in for ``torch.utils.checkpoint.checkpoint`` that keeps what fits ``budget``.
 
     Outputs and gradients equal those of ``function(*args, **kwargs)`` without checkpointing.
@@ -244,6 +341,12 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
             If False, their results are kept instead of recomputed.
         use_reentrant: accepted for compatibility; ``True`` is warned about once and the
             non-reentrant path is used.
+        offload: let activations that do not fit ``budget`` go to (pinned) host memory instead
+            of being recomputed, each one only where the planner's cost model, with copy speeds
+            measured once per process, finds the copy cheaper than its recompute. Copies run on
+            a side stream; backward brings them back ahead of need.
+        host_budget: with ``offload``, the most bytes of host memory the store may hold
+            (``None``: no bound). Past it, tensors are recomputed instead (warned once).
 
     Returns:
         What ``function`` returns.
@@ -252,17 +355,21 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
         ValueError: ``budget`` is negative, above 1.0 as a fraction, NaN, a bool or not a number.
     """
     budget = _check_budget(budget)
+    if not isinstance(offload, bool):
+        raise ValueError(f"offload must be True or False, got {offload!r}")
+    if host_budget is not None and (isinstance(host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0):
+        raise ValueError(f"host_budget must be None or an int >= 0 (bytes), got {host_budget!r}")
     if use_reentrant:
         _warn_once("reentrant", "gradaccel.checkpoint: use_reentrant=True is not supported; "
                                 "the non-reentrant implementation is used.")
     torch_only = {k: kwargs.pop(k) for k in _TORCH_ONLY_KWARGS if k in kwargs}
-    if budget == 0 or torch_only or not torch.is_grad_enabled():
+    if (budget == 0 and not offload) or torch_only or not torch.is_grad_enabled():
         return _tc.checkpoint(function, *args, use_reentrant=False,
                               preserve_rng_state=preserve_rng_state, **torch_only, **kwargs)
     fn, args, kwargs = _unwrap(function, args, kwargs)
     flat, spec = tree_flatten((args, kwargs))
     owner, func = _owner(fn)
-    key = _signature(func, flat, spec, budget, preserve_rng_state, owner)
+    key = _signature(func, flat, spec, budget, preserve_rng_state, owner) + (offload, host_budget)
     try:
         regions = _REGIONS.setdefault(owner, {})
     except TypeError:  # not weak-referenceable: trace every call (correct, slower)
@@ -274,13 +381,16 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
             return _run_dynamic(region, fn, args, kwargs, preserve_rng_state)
         if region.plan.externals_alive():
             return _run_planned(region, regions, key, fn, args, kwargs, flat)
-    return _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state)
+    return _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state,
+                       _store(host_budget) if offload else None)
 
 
 def _run_planned(region, regions, key, fn, args, kwargs, flat):
     plan = region.plan
-    rng = capture_rng({s.device for s in plan.graph.storages}) if plan.uses_rng else None
-    frame = _Frame(plan, flat, rng)
+    uses_rng = plan.uses_rng or (plan.fallback is not None and plan.fallback.uses_rng)
+    rng = capture_rng({s.device for s in plan.graph.storages}) if uses_rng else None
+    frame = _Frame(plan, flat, rng) if region.store is None or not plan.offloaded else \
+        _OffloadFrame(plan, flat, rng, region.store)
     with saved_tensors_hooks(frame.pack, frame.unpack):
         out = fn(*args, **kwargs)
     if not frame.finish(out):
@@ -292,7 +402,7 @@ def _run_planned(region, regions, key, fn, args, kwargs, flat):
     return out
 
 
-def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state):
+def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store):
     graph = Graph(flat, preserve_rng_state)
     devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
     rng = capture_rng(devices) if preserve_rng_state else None
@@ -301,7 +411,7 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
         out = fn(*args, **kwargs)
     frame.finish(out)
     name = _name(fn)
-    region = _Region(name, graph, budget, flat)
+    region = _Region(name, graph, budget, flat, store)
     regions[key] = region
     _ALL.append(weakref.ref(region))
     return out
@@ -372,7 +482,7 @@ class _Segment(torch.nn.Module):
 # -- reporting ---------------------------------------------------------------------------------
 def plan_rows() -> list[dict]:
     """One dict per live traced region: name, signature, calls, bytes held against the budget,
-    ops kept and replayed, estimated recompute FLOPs, and whether the plan is exact."""
+    ops kept, replayed and offloaded, estimated recompute FLOPs, and whether the plan is exact."""
     rows = []
     for ref in _ALL:
         region = ref()
@@ -388,6 +498,8 @@ def plan_rows() -> list[dict]:
                            if plan.keep[k] and graph.storages[p.storage].creator >= 0})
             row.update(mode="selective", kept_bytes=plan.kept_bytes, budget_bytes=plan.budget_bytes,
                        kept_ops=kept, replayed_ops=[str(graph.ops[i].func) for i in plan.steps],
+                       offloaded_ops=sorted({_producer_name(graph, s) for s in plan.offloaded}),
+                       offloaded_bytes=plan.offloaded_bytes,
                        recompute_flops=plan.recompute_flops, exact=plan.exact, fits=plan.fits)
         rows.append(row)
     return rows
@@ -411,4 +523,6 @@ def plan_report() -> str:
                      f"{r['recompute_flops'] / 1e9:>15.4f}  {'yes' if r['exact'] else 'no'}")
         lines.append(f"    kept:     {', '.join(r['kept_ops']) or '-'}")
         lines.append(f"    replayed: {', '.join(r['replayed_ops']) or '-'}")
+        if r["offloaded_ops"]:
+            lines.append(f"    offloaded ({r['offloaded_bytes'] * mib:.2f} MiB to host): {', '.join(r['offloaded_ops'])}")
     return "\n".join(lines)

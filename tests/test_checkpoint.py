@@ -2,6 +2,7 @@
 budget honoured in measured bytes, and recompute that only shrinks as the budget grows."""
 
 import math
+import sys
 import warnings
 
 import pytest
@@ -344,3 +345,75 @@ def test_plan_report_is_a_readable_table():
     assert "Block" in report and "kept" in report and "replayed" in report and "recompute GFLOP" in report
     (row,) = plan_rows()
     assert row["kept_bytes"] <= row["budget_bytes"] and row["exact"] and row["fits"]
+
+
+# -- offload: keep, offload or recompute under one budget --------------------------------------
+def _store():
+    return sys.modules["gradaccel.checkpoint"]._STORES
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.25, 0.5])
+def test_offload_gradients_equal_and_device_budget_holds(budget):
+    block = make_block(dropout=0.1)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    expected = run(block, block, x)
+    _, full = held_activation_bytes(block, x)
+    for _ in range(3):
+        assert_same(run(lambda t: gradaccel.checkpoint(block, t, budget=budget, offload=True), block, x), expected)
+    out, held = held_activation_bytes(lambda t: gradaccel.checkpoint(block, t, budget=budget, offload=True), x)
+    (row,) = plan_rows()
+    assert held <= budget * full
+    assert row["offloaded_bytes"] > 0 and row["offloaded_ops"]
+    # What sits in host memory is what the plan sent there: device and host bytes add up.
+    assert _store()[None].bytes_in_use == row["offloaded_bytes"]
+    assert held + row["offloaded_bytes"] <= full
+    out.sum().backward()
+
+
+def test_offload_pool_is_reused_and_host_memory_stays_flat():
+    block = make_block(dropout=0.0, seq_len=16)
+    x = torch.randn(1, 16, 64, requires_grad=True)
+    sizes = []
+    for _ in range(100):
+        gradaccel.checkpoint(block, x, budget=0.0, offload=True).sum().backward()
+        sizes.append((_store()[None].bytes_reserved, _store()[None].buffer_count))
+    assert len(set(sizes[2:])) == 1
+    assert _store()[None].bytes_in_use == 0  # every handle released once its graph is gone
+    assert _store()[None].hits >= 90
+
+
+def test_offload_host_budget_exhausted_falls_back_to_recompute_with_one_warning():
+    block = make_block(dropout=0.1)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    expected = run(block, block, x)
+    _, full = held_activation_bytes(block, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            got = run(lambda t: gradaccel.checkpoint(block, t, budget=0.25, offload=True, host_budget=4096), block, x)
+            assert_same(got, expected)
+            _, held = held_activation_bytes(
+                lambda t: gradaccel.checkpoint(block, t, budget=0.25, offload=True, host_budget=4096), x)
+            assert held <= 0.25 * full
+    assert sum("host_budget" in str(w.message) for w in caught) == 1
+
+
+def test_offload_only_where_the_copy_is_cheaper(monkeypatch):
+    block = make_block(dropout=0.1)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    plan_module = sys.modules["gradaccel._plan"]
+    monkeypatch.setattr(sys.modules["gradaccel.checkpoint"], "offload_cost_per_byte", lambda device: 1e12)
+    gradaccel.checkpoint(block, x, budget=0.25, offload=True).sum().backward()
+    assert plan_rows()[0]["offloaded_bytes"] == 0  # copies priced out: recompute, as without offload
+    reset_plans()
+    monkeypatch.setattr(sys.modules["gradaccel.checkpoint"], "offload_cost_per_byte", lambda device: 1e-9)
+    gradaccel.checkpoint(block, x, budget=0.25, offload=True).sum().backward()
+    row = plan_rows()[0]
+    assert row["replayed_ops"] == [] and row["offloaded_bytes"] > 0  # free copies: nothing recomputed
+    assert plan_module.offload_cost_per_byte(torch.device("cpu")) > 0
+
+
+@pytest.mark.parametrize("bad", [{"offload": 1}, {"offload": True, "host_budget": -1}, {"offload": True, "host_budget": 1.5}])
+def test_bad_offload_arguments(bad):
+    with pytest.raises(ValueError, match="offload|host_budget"):
+        gradaccel.checkpoint(nn.Linear(2, 2), torch.randn(1, 2), budget=0.5, **bad)
