@@ -516,12 +516,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if extra["flat"].numel() != self._flat.numel() or len(extra["masters"]) != len(self._params):
             raise ValueError("state_dict was saved for different parameters "
                              f"({extra['flat'].numel()} elements, this optimizer has {self._flat.numel()})")
+        if any((m is None) != (t is p) for p, t, m in zip(self._params, self._targets, extra["masters"])):
+            raise ValueError("state_dict was saved with another master_weights setting or dtypes")
         self.optimizer.load_state_dict(sd)
         with torch.no_grad():
             self._flat.copy_(extra["flat"])
             for p, t, m in zip(self._params, self._targets, extra["masters"]):
-                if (m is None) != (t is p):
-                    raise ValueError("state_dict master_weights layout does not match this optimizer")
                 if m is not None:
                     t.copy_(m)
                     p.copy_(t)

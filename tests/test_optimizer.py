@@ -481,3 +481,16 @@ def test_pickling_is_refused_with_guidance():
     opt = FusedAccumOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1), 2)
     with pytest.raises(TypeError, match="state_dict"):
         copy.deepcopy(opt)
+
+
+def test_load_state_dict_refuses_another_layout():
+    fp32 = FusedAccumOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1), 2)
+    bf16 = FusedAccumOptimizer(torch.optim.SGD(_mlp(dtype=torch.bfloat16).parameters(), lr=0.1), 2,
+                               master_weights=True)
+    bigger = FusedAccumOptimizer(torch.optim.SGD(_mlp(dh=17).parameters(), lr=0.1), 2)
+    with pytest.raises(ValueError, match="master_weights"):
+        bf16.load_state_dict(fp32.state_dict())
+    with pytest.raises(ValueError, match="different parameters"):
+        bigger.load_state_dict(fp32.state_dict())
+    with pytest.raises(ValueError, match="gradaccel"):
+        fp32.load_state_dict(fp32.optimizer.state_dict())
