@@ -13,6 +13,9 @@ Per variant, side by side in one run:
 
 ``gradaccel-keepnothing`` (a budget of one byte) and ``gradaccel-b1.0`` (keep everything) time
 the keep/recompute mechanism on its own, against ``torch-full`` and ``torch-none``.
+``gradaccel-offload-b…`` may also send activations to host memory; ``torch-save_on_cpu`` (what
+Hugging Face's ``offload=True`` does) copies every one, synchronously. On CPU, "host" is the
+same memory: there the offload points show the mechanism's cost, not a memory saving.
 """
 
 import os
@@ -63,7 +66,18 @@ def variants() -> dict:
     }
     for budget in BUDGETS:
         out[f"gradaccel-b{budget}"] = lambda b, h, budget=budget: gradaccel.checkpoint(b, h, budget=budget)
+    # Offload: HF-style synchronous copies of every saved tensor, against the planner's choice
+    # per tensor of keep / offload (side stream) / recompute under the same device budget.
+    out["torch-save_on_cpu"] = _save_on_cpu
+    for budget in (0.0, 0.25):
+        out[f"gradaccel-offload-b{budget}"] = (
+            lambda b, h, budget=budget: gradaccel.checkpoint(b, h, budget=budget, offload=True))
     return out
+
+
+def _save_on_cpu(block, h):
+    with torch.autograd.graph.save_on_cpu(pin_memory=h.is_cuda):
+        return block(h)
 
 
 def run(device: str, quick: bool) -> list[dict]:
@@ -134,6 +148,7 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     for xm, ym, xlabel, ylabel, name, xscale in pairs:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         ours = [(v, m) for v, m in by.items() if v.startswith("gradaccel-b") and xm in m and ym in m]
+        others = [v for v in by if v.startswith("torch") or (v.startswith("gradaccel") and v not in dict(ours))]
         ours.sort(key=lambda vm: float(vm[0].removeprefix("gradaccel-b")))
         if ours:
             ax.plot([m[xm] * xscale for _, m in ours], [m[ym] / 2**20 for _, m in ours], "o-", color="tab:blue",
@@ -141,8 +156,9 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
             for v, m in ours:
                 ax.annotate(v.removeprefix("gradaccel-b"), (m[xm] * xscale, m[ym] / 2**20),
                             textcoords="offset points", xytext=(5, 5), fontsize=8, color="tab:blue")
-        for v, m in by.items():
-            if (v.startswith("torch") or v == "gradaccel-keepnothing") and xm in m and ym in m:
+        for v in others:
+            m = by[v]
+            if xm in m and ym in m:
                 marker = "s" if v.startswith("torch") else "^"
                 ax.plot(m[xm] * xscale, m[ym] / 2**20, marker, markersize=8, label=v)
         ax.set_xlabel(xlabel)
