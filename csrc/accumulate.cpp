@@ -178,11 +178,9 @@ void check_fold(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef of
   }
 }
 
-void fold_cpu(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets, double scale) {
-  check_fold(flat, grads, offsets);
-  TORCH_CHECK(flat.is_contiguous(), "gradaccel.fold_: flat must be contiguous");
+// Slices must be in bounds and disjoint: the fold writes them in parallel.
+void check_fold_layout(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets) {
   const int64_t total = flat.numel();
-  // Slices must be in bounds and disjoint: the chunks below run in parallel.
   std::vector<size_t> order(grads.size());
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return offsets[a] < offsets[b]; });
@@ -198,6 +196,12 @@ void fold_cpu(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offs
                 "); slices must be disjoint");
     end_prev = offsets[i] + n;
   }
+}
+
+void fold_cpu(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets, double scale) {
+  check_fold(flat, grads, offsets);
+  TORCH_CHECK(flat.is_contiguous(), "gradaccel.fold_: flat must be contiguous");
+  check_fold_layout(flat, grads, offsets);
   const float s = static_cast<float>(scale);
   float* base = flat.data_ptr<float>();
   struct Chunk {
@@ -227,6 +231,68 @@ void fold_cpu(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offs
       axpy_dispatch(chunks[c].acc, chunks[c].grad, chunks[c].dtype, s, chunks[c].n);
     }
   });
+}
+
+// The launch plan of the Triton fold (triton_kernels/accumulate.py, make_fold_plan, documents
+// the layout), written into `plan` (int64, CPU, fold_plan_capacity slots). Built here rather
+// than in Python because a plan reads four attributes of every grad: ~20 ns each in C++ and
+// ~150 ns each in Python, which for a 150-tensor model would rival the GPU time of the fold.
+void fold_plan(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets,
+               int64_t block, const at::Tensor& plan) {
+  check_fold(flat, grads, offsets);
+  TORCH_CHECK(flat.is_contiguous(), "gradaccel.fold_: flat must be contiguous");
+  check_fold_layout(flat, grads, offsets);
+  TORCH_CHECK(plan.device().is_cpu() && plan.scalar_type() == at::kLong && plan.dim() == 1 &&
+                  plan.is_contiguous(), "gradaccel._fold_plan: plan must be a 1-D contiguous int64 CPU tensor");
+  TORCH_CHECK(block > 0, "gradaccel._fold_plan: block must be positive, got ", block);
+  constexpr int64_t kRow = 5;
+  const int64_t n = static_cast<int64_t>(grads.size());
+  int64_t rows = 0, blocks = 0, strided = 0;
+  bool aligned = reinterpret_cast<uintptr_t>(flat.const_data_ptr()) % 16 == 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t numel = grads[i].numel();
+    if (numel == 0) continue;
+    if (grads[i].is_contiguous()) {
+      ++rows;
+      blocks += (numel + block - 1) / block;
+    } else {
+      ++strided;
+    }
+  }
+  const int64_t t0 = 4 + strided, m0 = t0 + kRow * rows, used = m0 + (blocks + 1) / 2;
+  TORCH_CHECK(used <= plan.numel(), "gradaccel._fold_plan: plan has ", plan.numel(),
+              " slots, the fold needs ", used);
+  int64_t* p = plan.data_ptr<int64_t>();
+  int64_t* table = p + t0;
+  int32_t* block_map = reinterpret_cast<int32_t*>(p + m0);
+  int64_t k = 0, row = 0, first_block = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& g = grads[i];
+    const int64_t numel = g.numel();
+    if (numel == 0) continue;
+    if (!g.is_contiguous()) {
+      p[4 + k++] = i;
+      continue;
+    }
+    const auto addr = reinterpret_cast<uintptr_t>(g.const_data_ptr());
+    aligned = aligned && addr % 16 == 0 && offsets[i] % 4 == 0;
+    const auto dt = g.scalar_type();
+    int64_t* r = table + kRow * row;
+    r[0] = static_cast<int64_t>(addr);
+    r[1] = numel;
+    r[2] = offsets[i];
+    r[3] = first_block;
+    r[4] = dt == at::kFloat ? 0 : dt == at::kBFloat16 ? 1 : 2;  // DTYPE_CODE in the Triton file
+    const int64_t nb = (numel + block - 1) / block;
+    std::fill(block_map + first_block, block_map + first_block + nb, static_cast<int32_t>(row));
+    first_block += nb;
+    ++row;
+  }
+  if (blocks % 2) block_map[blocks] = 0;
+  p[0] = rows;
+  p[1] = blocks;
+  p[2] = aligned ? 1 : 0;
+  p[3] = strided;
 }
 
 void check_finalize(const at::Tensor& flat, const at::Tensor& scale) {
@@ -297,6 +363,10 @@ void scale_accumulate_meta(const at::Tensor& acc, const at::Tensor& grad, double
 void fold_meta(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets, double) {
   check_fold(flat, grads, offsets);
 }
+void fold_plan_meta(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets,
+                    int64_t, const at::Tensor&) {
+  check_fold(flat, grads, offsets);
+}
 std::tuple<at::Tensor, at::Tensor> finalize_meta(const at::Tensor& flat, const at::Tensor& scale) {
   check_finalize(flat, scale);
   return {at::empty({}, flat.options()), at::empty({}, flat.options().dtype(at::kBool))};
@@ -308,6 +378,13 @@ TORCH_LIBRARY(gradaccel, m) {
   m.def("scale_accumulate_(Tensor(a!) acc, Tensor grad, float scale) -> ()");
   m.def("fold_(Tensor(a!) flat, Tensor[] grads, int[] offsets, float scale) -> ()");
   m.def("finalize_(Tensor(a!) flat, Tensor scale) -> (Tensor, Tensor)");
+  // Internal: the Triton fold's launch plan (a CPU tensor whatever the device of flat).
+  m.def("_fold_plan(Tensor flat, Tensor[] grads, int[] offsets, int block, Tensor(a!) plan) -> ()");
+}
+
+// Any backend: the plan only reads tensor metadata and addresses.
+TORCH_LIBRARY_IMPL(gradaccel, CompositeExplicitAutograd, m) {
+  m.impl("_fold_plan", &fold_plan);
 }
 
 TORCH_LIBRARY_IMPL(gradaccel, CPU, m) {
@@ -320,6 +397,7 @@ TORCH_LIBRARY_IMPL(gradaccel, Meta, m) {
   m.impl("scale_accumulate_", &scale_accumulate_meta);
   m.impl("fold_", &fold_meta);
   m.impl("finalize_", &finalize_meta);
+  m.impl("_fold_plan", &fold_plan_meta);
 }
 
 }  // namespace gradaccel

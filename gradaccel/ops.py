@@ -11,8 +11,6 @@ These run once per parameter per micro-batch from a backward hook: the checks ar
 reads, and anything costlier (the fold's layout) is cached.
 """
 
-import functools
-
 import torch
 
 from gradaccel import _ext
@@ -20,13 +18,14 @@ from gradaccel import _ext
 _GRAD_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 # The OpOverloads, resolved once: calling `.default` skips the packet's overload lookup.
-_scale_accumulate_op = _fold_op = _finalize_op = None
+_scale_accumulate_op = _fold_op = _finalize_op = _fold_plan_op = None
 _cuda_lib = None
+_compiling = torch.compiler.is_compiling
 
 
 def _load_ops() -> None:
     """Loads the C++ extension (which defines the ops) and registers the Triton CUDA kernels."""
-    global _scale_accumulate_op, _fold_op, _finalize_op
+    global _scale_accumulate_op, _fold_op, _finalize_op, _fold_plan_op
     _ext.load()
     if torch.cuda.is_available():
         _register_cuda()
@@ -34,6 +33,7 @@ def _load_ops() -> None:
     _scale_accumulate_op = lib.scale_accumulate_.default
     _fold_op = lib.fold_.default
     _finalize_op = lib.finalize_.default
+    _fold_plan_op = lib._fold_plan.default
 
 
 def _register_cuda() -> None:
@@ -48,7 +48,9 @@ def _register_cuda() -> None:
 
 
 # The CUDA kernels of the ops. Plain functions of the op's schema, so that tests can also run
-# them on CPU tensors through the Triton interpreter.
+# them on CPU tensors through the Triton interpreter. Eager calls from the public functions
+# below reach them directly, without the dispatcher's round trip through C++ (for a list of
+# grads: boxing every tensor, then unboxing it again for this Python kernel).
 _kernels = None
 
 
@@ -71,7 +73,13 @@ def _scale_accumulate_triton(acc: torch.Tensor, grad: torch.Tensor, scale: float
 
 
 def _fold_triton(flat: torch.Tensor, grads: list, offsets: list, scale: float) -> None:
-    _triton().fold(flat, grads, offsets, scale)
+    kernels = _triton()
+    if _fold_plan_op is None:
+        _load_ops()
+    # The C++ plan builder also validates (dtypes, devices, bounds, overlaps) before any launch.
+    plan = torch.empty(kernels.fold_plan_capacity(flat.numel(), len(grads)), dtype=torch.int64)
+    _fold_plan_op(flat, grads, offsets, kernels.FOLD_BLOCK, plan)
+    kernels.fold_planned(flat, grads, offsets, plan, scale)
 
 
 def _finalize_triton(flat: torch.Tensor, scale: torch.Tensor):
@@ -131,16 +139,31 @@ def scale_accumulate_(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> to
                          f"shape {tuple(acc.shape)}; they must match")
     if _scale_accumulate_op is None:
         _load_ops()
-    _scale_accumulate_op(acc, grad, float(scale))
+    if acc.is_cuda and not _compiling():
+        _scale_accumulate_triton(acc, grad, float(scale))
+    else:
+        _scale_accumulate_op(acc, grad, float(scale))
     return acc
 
 
-@functools.lru_cache(maxsize=256)
-def _check_layout(numels: tuple, offsets: tuple, total: int) -> None:
-    """Slices in bounds and disjoint (the kernels fold them in parallel). Cached: the optimizer
-    folds the same layout every micro-batch."""
-    end = 0
-    for off, n, i in sorted(zip(offsets, numels, range(len(numels)))):
+def _explain_fold(flat, grads, offsets) -> None:
+    """Raises a ValueError/TypeError naming what is wrong with fold_'s arguments, if anything.
+
+    Run only after the op has refused them: the op's own checks (C++) are the fast path.
+    """
+    _check_buffer("fold_", "flat", flat)
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"fold_: flat must be a 1-D contiguous buffer, got shape {tuple(flat.shape)}"
+                         f"{'' if flat.is_contiguous() else ' (non-contiguous)'}")
+    grads, offsets = list(grads), list(offsets)
+    if len(grads) != len(offsets):
+        raise ValueError(f"fold_: got {len(grads)} grads but {len(offsets)} offsets; pass one offset per grad")
+    for i, g in enumerate(grads):
+        _check_grad(f"fold_: grads[{i}]", g)
+        if g.device != flat.device:
+            raise ValueError(f"fold_: grads[{i}] is on {g.device} but flat is on {flat.device}")
+    total, end = flat.numel(), 0
+    for off, n, i in sorted((int(o), g.numel(), i) for i, (g, o) in enumerate(zip(grads, offsets))):
         if n == 0:
             continue
         if off < 0 or off + n > total:
@@ -155,7 +178,9 @@ def _check_layout(numels: tuple, offsets: tuple, total: int) -> None:
 def fold_(flat: torch.Tensor, grads: list[torch.Tensor], offsets: list[int], scale: float) -> torch.Tensor:
     """For each i: ``flat[offsets[i]:offsets[i]+grads[i].numel()] += grads[i].flatten().float() * scale``.
 
-    All grads are folded by one kernel launch (per grad dtype) on CUDA and one parallel loop on CPU.
+    All grads are folded by one kernel launch on CUDA (whatever their dtypes) and one parallel
+    loop on CPU. Arguments are validated in C++ before anything is written; the per-call cost
+    does not include a Python pass over the grads.
 
     Args:
         flat: 1-D contiguous float32 buffer.
@@ -169,24 +194,18 @@ def fold_(flat: torch.Tensor, grads: list[torch.Tensor], offsets: list[int], sca
 
     Raises:
         ValueError: bad dtype, device, shape, offset count, out-of-bounds or overlapping slices.
+        TypeError: an argument that is not a tensor.
     """
-    _check_buffer("fold_", "flat", flat)
-    if flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError(f"fold_: flat must be a 1-D contiguous buffer, got shape {tuple(flat.shape)}"
-                         f"{'' if flat.is_contiguous() else ' (non-contiguous)'}")
-    grads = list(grads)
-    offsets = [int(o) for o in offsets]
-    if len(grads) != len(offsets):
-        raise ValueError(f"fold_: got {len(grads)} grads but {len(offsets)} offsets; pass one offset per grad")
-    device = flat.device
-    for i, g in enumerate(grads):
-        _check_grad(f"fold_: grads[{i}]", g)
-        if g.device != device:
-            raise ValueError(f"fold_: grads[{i}] is on {g.device} but flat is on {device}")
-    _check_layout(tuple(g.numel() for g in grads), tuple(offsets), flat.numel())
     if _fold_op is None:
         _load_ops()
-    _fold_op(flat, grads, offsets, float(scale))
+    try:
+        if flat.is_cuda and not _compiling():
+            _fold_triton(flat, grads, offsets, float(scale))
+        else:
+            _fold_op(flat, grads, offsets, float(scale))
+    except (RuntimeError, TypeError, AttributeError):
+        _explain_fold(flat, grads, offsets)
+        raise
     return flat
 
 
@@ -224,4 +243,6 @@ def finalize_(flat: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, to
             scale = scale.to(flat.device, non_blocking=True)
     if _finalize_op is None:
         _load_ops()
+    if flat.is_cuda and not _compiling():
+        return _finalize_triton(flat, scale)
     return _finalize_op(flat, scale)

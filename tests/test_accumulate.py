@@ -2,7 +2,9 @@
 
 ``path="ops"`` is the public ``gradaccel.ops`` function: the C++ kernel on CPU, Triton on CUDA.
 ``path="triton"`` calls the Triton launchers directly: on CPU through ``TRITON_INTERPRET=1``
-(set by conftest), on CUDA compiled. So every device runs both the Triton and the native path.
+(set by conftest), on CUDA compiled. ``path="kernel"`` calls the functions that gradaccel
+registers as the ops' CUDA kernels (C++ fold plan + Triton launch), on whatever device. So every
+device runs both the Triton and the native path.
 
 Bit-exactness: on CPU both paths compute ``acc + float(g) * s`` with two fp32 roundings, as
 PyTorch does, so they must match PyTorch's fp32 result bit for bit. On CUDA, Triton may contract
@@ -21,7 +23,7 @@ from triton_kernels import accumulate as kernels
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [0, 1, 17, 4099, 2**16 + 3]
 SCALES = [0.0, 1.0, 1e-8, 1e8]
-PATHS = ["ops", "triton"]
+PATHS = ["ops", "triton", "kernel"]
 ULP = 2.0**-23
 
 
@@ -36,6 +38,9 @@ def rand(shape, dtype, device, seed, scale=1.0):
 
 
 def scale_accumulate(path, acc, grad, scale):
+    if path == "kernel":
+        ops._scale_accumulate_triton(acc, grad, scale)
+        return acc
     if path == "triton":
         kernels.scale_accumulate(acc, grad, scale)
         return acc
@@ -43,6 +48,9 @@ def scale_accumulate(path, acc, grad, scale):
 
 
 def fold(path, flat, grads, offsets, scale):
+    if path == "kernel":
+        ops._fold_triton(flat, grads, offsets, scale)
+        return flat
     if path == "triton":
         kernels.fold(flat, grads, offsets, scale)
         return flat
@@ -50,6 +58,8 @@ def fold(path, flat, grads, offsets, scale):
 
 
 def finalize(path, flat, scale):
+    if path == "kernel":
+        return ops._finalize_triton(flat, scale)
     if path == "triton":
         return kernels.finalize(flat, scale)
     return ops.finalize_(flat, scale)
@@ -134,10 +144,12 @@ def test_scale_accumulate_random_strides(device, shape, data, dtype, path):
     assert_accumulated(acc, acc0, grad, -0.3)
 
 
-def _layout(device, sizes_dtypes, gap, seed=20):
+def _layout(device, sizes_dtypes, gap, seed=20, align=1):
+    """Random grads and their offsets: ``gap`` elements apart, each rounded up to ``align``."""
     grads, offsets, off = [], [], gap
     for i, (shape, dtype) in enumerate(sizes_dtypes):
         g = rand(shape, dtype, device, seed + i)
+        off = -(-off // align) * align
         grads.append(g)
         offsets.append(off)
         off += g.numel() + gap
@@ -152,10 +164,12 @@ MIXED = [(17, torch.bfloat16), (1, torch.bfloat16), (0, torch.bfloat16), (4099, 
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("gap", [0, 3, 4])  # gap 4 keeps every slice 16-byte aligned
+# (gap, align): packed; with gaps (misaligned slices); every slice 16-byte aligned (the
+# kernel's vectorised path on CUDA).
+@pytest.mark.parametrize("gap,align", [(0, 1), (3, 1), (3, 4)])
 @pytest.mark.parametrize("scale", SCALES)
-def test_fold_mixed_list(device, path, gap, scale):
-    grads, offsets, total = _layout(device, MIXED, gap)
+def test_fold_mixed_list(device, path, gap, align, scale):
+    grads, offsets, total = _layout(device, MIXED, gap, align=align)
     grads[5] = grads[5].t()  # a non-contiguous member
     flat = rand(total, torch.float32, device, 30, scale=10.0)
     flat0 = flat.clone()
@@ -193,6 +207,24 @@ def test_fold_empty_and_single(device, path):
     fold(path, flat, [g], [50], 2.0)
     assert_accumulated(flat[50:80], flat0[50:80], g.reshape(-1), 2.0)
     assert torch.equal(flat[:50], flat0[:50]) and torch.equal(flat[80:], flat0[80:])
+
+
+def test_fold_plan_cpp_equals_python(device):
+    """The C++ plan builder writes exactly what the Python reference builder writes."""
+    grads, offsets, total = _layout(device, MIXED, 4, align=4)
+    grads[5] = grads[5].t()
+    flat = torch.zeros(total, device=device)
+    ref = kernels.make_fold_plan(flat, grads, offsets)
+    unaligned = kernels.make_fold_plan(flat, grads, [o + 1 for o in offsets])
+    assert unaligned[2].item() == 0
+    plan = torch.full((kernels.fold_plan_capacity(total, len(grads)),), -1, dtype=torch.int64)
+    _op("_fold_plan")(flat, grads, offsets, kernels.FOLD_BLOCK, plan)
+    assert plan.numel() >= ref.numel()
+    assert torch.equal(plan[:ref.numel()], ref)
+    rows, blocks, aligned, strided = ref[:4].tolist()
+    assert (rows, strided, aligned) == (len(MIXED) - 2, 1, 1)  # minus the empty and strided grads
+    with pytest.raises(RuntimeError, match="slots"):
+        _op("_fold_plan")(flat, grads, offsets, kernels.FOLD_BLOCK, plan[:10])
 
 
 def _finalize_reference(flat0, scale):
@@ -312,9 +344,10 @@ def _op(name):
 
 
 def test_cpu_runs_the_cpp_kernel():
-    for name in ("scale_accumulate_", "fold_", "finalize_"):
+    for name in ("scale_accumulate_", "fold_", "finalize_", "_fold_plan"):
         _op(name)
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gradaccel::{name}", "CPU")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gradaccel::{name}", "CPU") or \
+            name == "_fold_plan"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gradaccel::{name}", "Meta")
 
 
@@ -327,6 +360,9 @@ def test_opcheck(device, dtype):
     torch.library.opcheck(_op("fold_"), (rand(total, torch.float32, device, 93), grads, offsets, 0.5))
     torch.library.opcheck(_op("finalize_"), (rand(4099, torch.float32, device, 94),
                                              torch.tensor(0.5, device=device)))
+    plan = torch.zeros(kernels.fold_plan_capacity(total, len(grads)), dtype=torch.int64)
+    torch.library.opcheck(_op("_fold_plan"), (rand(total, torch.float32, device, 95), grads, offsets,
+                                              kernels.FOLD_BLOCK, plan))
 
 
 # --- validation -------------------------------------------------------------------------------
