@@ -413,7 +413,7 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     name = _name(fn)
     region = _Region(name, graph, budget, flat, store)
     regions[key] = region
-    _ALL.append(weakref.ref(region))
+    _ALL[:] = [r for r in _ALL if r() is not None] + [weakref.ref(region)]
     return out
 
 
