@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
+    report.remove_previous_plots(a.out)
 
     mode = "tiny" if a.tiny else "quick" if a.quick else "full"
     print(f"python -m bench: {','.join(a.suites)} on {a.device}, {mode}, into {a.out}",

@@ -225,7 +225,7 @@ def environment(device: str, mode: str = "") -> dict[str, str]:
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.system()} {platform.release()} {platform.machine()}",
-        "cpu": f"{_cpu_name()} ({os.cpu_count()} logical cores, torch uses {torch.get_num_threads()} threads)",
+        "cpu": f"{_cpu_name()} ({os.cpu_count()} logical cores, torch threads: {torch.get_num_threads()})",
         "device": device,
     }
     if mode:
@@ -272,6 +272,25 @@ def render_report(env: dict[str, str], tables: dict[str, str], plots: dict[str, 
         for suite, text in failures.items():
             out += [f"### {suite}", "", "```", text.rstrip(), "```", ""]
     return "\n".join(out)
+
+
+def remove_previous_plots(out: Path) -> list[Path]:
+    """Delete the PNGs that the report.md already in ``out`` links to, and only those.
+
+    Case names change between --tiny, --quick and --full runs, so plot files would otherwise
+    pile up in bench/results/latest beside the current ones; files the previous run did not
+    write are left alone.
+    """
+    old = out / "report.md"
+    if not old.is_file():
+        return []
+    removed = []
+    for name in re.findall(r"^!\[[^\]]*\]\(([^)/\\]+\.png)\)$", old.read_text(), re.M):
+        path = out / name
+        if path.is_file():
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 def results_section(report_md: str) -> tuple[str, str]:

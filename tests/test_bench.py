@@ -106,6 +106,12 @@ def test_cli_end_to_end(fakes, tmp_path, capsys):
         assert png.read_bytes()[:8] == PNG and f"]({png.name})" in md
     assert "Failures" not in md
 
+    # A second run into the same directory replaces the first one's plots, and only those.
+    (out / "mine.png").write_bytes(PNG)
+    fakes("fakea", baseline=["torch-add"])
+    assert cli.main(["--suite", "fakea", "--device", "cpu", "--tiny", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == ["fakea_time.png", "mine.png"]
+
     captured = capsys.readouterr()
     assert "[bench 1/2] fakea: [#####.....] 1/2 small" in captured.err
     assert "[bench 2/2] fakeb: done, 10 rows, 1 plots" in captured.err
