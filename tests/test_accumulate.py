@@ -12,6 +12,8 @@ the two into one FMA (one rounding), so there the check is the fp64 bound below,
 most one fp32 ulp of the operands' magnitude.
 """
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +23,8 @@ from gradaccel import ops
 from triton_kernels import accumulate as kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SIZES = [0, 1, 17, 4099, 2**16 + 3]
+# 2 * 4096 - 1: the last block of the largest kernel block is one element short.
+SIZES = [0, 1, 17, 4099, 2 * 4096 - 1, 2**16 + 3]
 SCALES = [0.0, 1.0, 1e-8, 1e8]
 PATHS = ["ops", "triton", "kernel"]
 ULP = 2.0**-23
@@ -35,6 +38,14 @@ def f32(x: float) -> float:
 def rand(shape, dtype, device, seed, scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
+
+
+def rand_guarded(n, dtype, device, seed, scale=1.0):
+    """A contiguous 1-D tensor of ``n`` elements followed in memory by 16 non-zero ones: a kernel
+    that reads past the end picks up a value, and one that writes past it changes the guard."""
+    base = rand(n + 16, dtype, device, seed, scale)
+    base[n:] = 3.0
+    return base[:n], base[n:]
 
 
 def scale_accumulate(path, acc, grad, scale):
@@ -82,11 +93,12 @@ def assert_accumulated(out, acc0, grad, scale):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
 def test_scale_accumulate_sizes(device, path, dtype, n):
-    acc = rand(n, torch.float32, device, 1)
-    grad = rand(n, dtype, device, 2)
+    acc, guard = rand_guarded(n, torch.float32, device, 1)
+    grad, _ = rand_guarded(n, dtype, device, 2)
     acc0 = acc.clone()
     assert scale_accumulate(path, acc, grad, 0.75) is acc
     assert_accumulated(acc, acc0, grad, 0.75)
+    assert bool((guard == 3.0).all())
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -145,10 +157,12 @@ def test_scale_accumulate_random_strides(device, shape, data, dtype, path):
 
 
 def _layout(device, sizes_dtypes, gap, seed=20, align=1):
-    """Random grads and their offsets: ``gap`` elements apart, each rounded up to ``align``."""
+    """Random grads (each followed in memory by a guard, see rand_guarded) and their offsets:
+    ``gap`` elements apart, each rounded up to ``align``."""
     grads, offsets, off = [], [], gap
     for i, (shape, dtype) in enumerate(sizes_dtypes):
-        g = rand(shape, dtype, device, seed + i)
+        shape = (shape,) if isinstance(shape, int) else shape
+        g = rand_guarded(math.prod(shape), dtype, device, seed + i)[0].view(shape)
         off = -(-off // align) * align
         grads.append(g)
         offsets.append(off)
@@ -171,7 +185,7 @@ MIXED = [(17, torch.bfloat16), (1, torch.bfloat16), (0, torch.bfloat16), (4099, 
 def test_fold_mixed_list(device, path, gap, align, scale):
     grads, offsets, total = _layout(device, MIXED, gap, align=align)
     grads[5] = grads[5].t()  # a non-contiguous member
-    flat = rand(total, torch.float32, device, 30, scale=10.0)
+    flat, guard = rand_guarded(total, torch.float32, device, 30, scale=10.0)
     flat0 = flat.clone()
     assert fold(path, flat, grads, offsets, scale) is flat
     touched = torch.zeros(total, dtype=torch.bool, device=device)
@@ -180,6 +194,7 @@ def test_fold_mixed_list(device, path, gap, align, scale):
         assert_accumulated(flat[sl], flat0[sl], g.reshape(-1), scale)
         touched[sl] = True
     assert torch.equal(flat[~touched], flat0[~touched])  # gaps untouched
+    assert bool((guard == 3.0).all())
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -236,7 +251,7 @@ def _finalize_reference(flat0, scale):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("scale", SCALES)
 def test_finalize(device, path, n, scale):
-    flat = rand(n, torch.float32, device, 80, scale=1e3)
+    flat, guard = rand_guarded(n, torch.float32, device, 80, scale=1e3)
     flat0 = flat.clone()
     sumsq, nonfinite = finalize(path, flat, torch.tensor(scale, device=device))
     out, ref = _finalize_reference(flat0, scale)
@@ -244,6 +259,7 @@ def test_finalize(device, path, n, scale):
     assert sumsq.shape == () and sumsq.dtype == torch.float32 and sumsq.device == flat.device
     assert nonfinite.shape == () and nonfinite.dtype == torch.bool and not nonfinite.item()
     assert sumsq.item() == pytest.approx(ref.item(), rel=2 * ULP, abs=1e-38)
+    assert bool((guard == 3.0).all())
 
 
 @pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # numpy, in the interpreter

@@ -4,15 +4,16 @@ Three ops, all in fp32 arithmetic with int64 element offsets and every load mask
 
 - ``scale_accumulate(acc, grad, scale)``: ``acc += grad * scale`` for one tensor of any strides.
 - ``fold(flat, grads, offsets, scale)``: one launch folds a list of grads into their slices of a
-  flat fp32 buffer. The grads are reached through a table of raw data pointers (one int64 per
-  grad), with a per-tensor (numel, offset, first block) table and a block -> tensor map. Raw
-  addresses work on CUDA and in the interpreter (``TRITON_INTERPRET=1`` on CPU tensors) alike,
-  since the interpreter dereferences host addresses directly.
+  flat fp32 buffer, whatever their dtypes. A plan (built by ``make_fold_plan`` here, or in C++
+  by ``gradaccel.ops``) holds a row per grad (raw data address, numel, offset, first block,
+  dtype code) and a block -> row map. Raw addresses work on CUDA and in the interpreter
+  (``TRITON_INTERPRET=1`` on CPU tensors) alike: the interpreter dereferences host addresses.
 - ``finalize(flat, scale)``: ``flat *= scale`` (``scale`` a 0-d tensor, read on the device),
   with a non-finite flag and the sum of squares of the result: per-block fp64 partials, then one
   small single-program reduction, so the result does not depend on scheduling.
 
-Launchers take tensors that the caller (``gradaccel.ops``) has already validated.
+Launchers take tensors that the caller (``gradaccel.ops``) has already validated. Full blocks
+load under a mask that is all-true at compile time, so their loads vectorise whatever numel is.
 """
 
 import torch
@@ -40,6 +41,13 @@ def block_config(numel: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _axpy_block(acc_ptrs, grad_ptrs, scale, mask):
+    g = tl.load(grad_ptrs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(acc_ptrs, mask=mask, other=0.0)
+    tl.store(acc_ptrs, a + g * scale, mask=mask)
+
+
+@triton.jit
 def _scale_accumulate_kernel(acc_ptr, grad_ptr, numel, scale,
                              size1, size2, size3,
                              acc_s0, acc_s1, acc_s2, acc_s3,
@@ -50,13 +58,11 @@ def _scale_accumulate_kernel(acc_ptr, grad_ptr, numel, scale,
     mask = idx < numel
     if CONTIGUOUS:
         if start + BLOCK <= numel:
-            # Full block, unmasked, so the loads vectorise whatever numel is.
-            g = tl.load(grad_ptr + idx).to(tl.float32)
-            tl.store(acc_ptr + idx, tl.load(acc_ptr + idx) + g * scale)
+            # A full block: its mask is all-true at compile time, so the loads vectorise
+            # whatever numel is (a mask from numel would split them into scalar loads).
+            _axpy_block(acc_ptr + idx, grad_ptr + idx, scale, tl.arange(0, BLOCK) < BLOCK)
         else:
-            g = tl.load(grad_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            a = tl.load(acc_ptr + idx, mask=mask, other=0.0)
-            tl.store(acc_ptr + idx, a + g * scale, mask=mask)
+            _axpy_block(acc_ptr + idx, grad_ptr + idx, scale, mask)
     else:
         # Row-major multi-index of up to 4 (collapsed) dims; dim 0's size is implied by numel.
         i3 = idx % size3
@@ -67,34 +73,26 @@ def _scale_accumulate_kernel(acc_ptr, grad_ptr, numel, scale,
         i0 = rest // size1
         acc_off = i0 * acc_s0 + i1 * acc_s1 + i2 * acc_s2 + i3 * acc_s3
         grad_off = i0 * grad_s0 + i1 * grad_s1 + i2 * grad_s2 + i3 * grad_s3
-        g = tl.load(grad_ptr + grad_off, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(acc_ptr + acc_off, mask=mask, other=0.0)
-        tl.store(acc_ptr + acc_off, a + g * scale, mask=mask)
+        _axpy_block(acc_ptr + acc_off, grad_ptr + grad_off, scale, mask)
 
 
 @triton.jit
-def _load_grad_typed(addr, idx, mask, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, FULL: tl.constexpr):
+def _fold_block(flat_ptr, addr, offset, idx, numel, scale, DTYPE: tl.constexpr,
+                ALIGNED: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr):
+    if FULL:
+        # All-true at compile time, so the loads vectorise (a mask from numel splits them).
+        # Built here, not passed in: a mask from outside the dtype branch loses that fact.
+        mask = tl.arange(0, BLOCK) < BLOCK
+    else:
+        mask = idx < numel
     ptr = addr.to(tl.pointer_type(DTYPE))
     if ALIGNED:
         # Values read from memory carry no alignment facts; without this the loads stay scalar.
         ptr = tl.multiple_of(ptr, 16)
-    if FULL:
-        g = tl.load(ptr + idx)
-    else:
-        g = tl.load(ptr + idx, mask=mask, other=0.0)
-    return g.to(tl.float32)
-
-
-@triton.jit
-def _load_grad(addr, code, idx, mask, ALIGNED: tl.constexpr, FULL: tl.constexpr):
-    # The dtype code is uniform over a program: the branch costs one scalar compare.
-    if code == 1:
-        g = _load_grad_typed(addr, idx, mask, tl.bfloat16, ALIGNED, FULL)
-    elif code == 2:
-        g = _load_grad_typed(addr, idx, mask, tl.float16, ALIGNED, FULL)
-    else:
-        g = _load_grad_typed(addr, idx, mask, tl.float32, ALIGNED, FULL)
-    return g
+    g = tl.load(ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    acc_ptrs = flat_ptr + offset + idx
+    a = tl.load(acc_ptrs, mask=mask, other=0.0)
+    tl.store(acc_ptrs, a + g * scale, mask=mask)
 
 
 @triton.jit
@@ -111,16 +109,24 @@ def _fold_kernel(flat_ptr, table_ptr, block_map_ptr, scale,
         offset = tl.multiple_of(offset, 4)  # 16 bytes of fp32
     start = (pid - first_block).to(tl.int64) * BLOCK
     idx = start + tl.arange(0, BLOCK)
-    acc_ptrs = flat_ptr + offset + idx
-    mask = idx < numel
-    if start + BLOCK <= numel:
-        # A full block, unmasked: a mask from a loaded numel would also block vectorisation.
-        g = _load_grad(addr, code, idx, mask, ALIGNED, True)
-        tl.store(acc_ptrs, tl.load(acc_ptrs) + g * scale)
+    full = start + BLOCK <= numel
+    # Branch on dtype and fullness here, outermost: loads nested in a branch lose the facts
+    # about a mask or pointer made outside it, and stay scalar (seen in the sm_90 PTX).
+    if code == 1:
+        if full:
+            _fold_block(flat_ptr, addr, offset, idx, numel, scale, tl.bfloat16, ALIGNED, True, BLOCK)
+        else:
+            _fold_block(flat_ptr, addr, offset, idx, numel, scale, tl.bfloat16, ALIGNED, False, BLOCK)
+    elif code == 2:
+        if full:
+            _fold_block(flat_ptr, addr, offset, idx, numel, scale, tl.float16, ALIGNED, True, BLOCK)
+        else:
+            _fold_block(flat_ptr, addr, offset, idx, numel, scale, tl.float16, ALIGNED, False, BLOCK)
     else:
-        g = _load_grad(addr, code, idx, mask, ALIGNED, False)
-        a = tl.load(acc_ptrs, mask=mask, other=0.0)
-        tl.store(acc_ptrs, a + g * scale, mask=mask)
+        if full:
+            _fold_block(flat_ptr, addr, offset, idx, numel, scale, tl.float32, ALIGNED, True, BLOCK)
+        else:
+            _fold_block(flat_ptr, addr, offset, idx, numel, scale, tl.float32, ALIGNED, False, BLOCK)
 
 
 @triton.jit
@@ -131,8 +137,9 @@ def _finalize_kernel(flat_ptr, scale_ptr, sq_partial_ptr, bad_partial_ptr, numel
     mask = idx < numel
     scale = tl.load(scale_ptr)
     if (pid + 1) * BLOCK <= numel:
-        x = tl.load(flat_ptr + idx) * scale  # full block, unmasked: vectorised
-        tl.store(flat_ptr + idx, x)
+        full = tl.arange(0, BLOCK) < BLOCK  # all-true at compile time: the loads vectorise
+        x = tl.load(flat_ptr + idx, mask=full, other=0.0) * scale
+        tl.store(flat_ptr + idx, x, mask=full)
     else:
         x = tl.load(flat_ptr + idx, mask=mask, other=0.0) * scale
         tl.store(flat_ptr + idx, x, mask=mask)
