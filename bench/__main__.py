@@ -1,10 +1,10 @@
 """`python -m bench`: run gradaccel side by side with stock PyTorch and write the results.
 
-    python -m bench [--suite accumulate,checkpoint,offload,train] [--device cpu|cuda] [--quick|--full]
-                    [--out DIR] [--results-md PATH]
+    python -m bench [--suite accumulate,checkpoint,offload,train] [--device cpu|cuda]
+                    [--quick|--full|--tiny] [--out DIR] [--threads N] [--results-md PATH]
 
 Writes to DIR (default bench/results/latest): results.json and results.csv (one row per
-measurement), report.md (environment and one ratio table per suite), and each suite's PNG plots.
+measurement), report.md (environment and each suite's ratio tables), and each suite's PNG plots.
 A suite that fails is reported (stderr, report.md) without losing the others' results; the exit
 status is then 1.
 
