@@ -10,30 +10,18 @@ run in ``__call__`` around ``forward``, so outside the checkpointed region and o
 """
 
 import functools
-import math
 
 import torch
 import torch.nn as nn
 
-from gradaccel.checkpoint import checkpoint
+# The budget rule is gradaccel.checkpoint's own, checked here too so that a bad value fails at
+# set-up rather than in the middle of the first training step.
+from gradaccel.checkpoint import _check_budget, checkpoint
 
 __all__ = ["checkpoint_blocks"]
 
 # One checkpointed subclass per original block class, so N blocks of one class share one type.
 _SUBCLASSES = {}
-
-
-def _check_budget(budget):
-    # Same rule as gradaccel.checkpoint, checked here so a bad value fails at set-up, not in the
-    # middle of the first training step.
-    if budget is None:
-        return
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"budget must be None, a float in [0, 1] or an int of bytes >= 0, got {budget!r}")
-    if isinstance(budget, float) and (math.isnan(budget) or not 0.0 <= budget <= 1.0):
-        raise ValueError(f"budget as a float is a fraction in [0, 1], got {budget!r}")
-    if isinstance(budget, int) and budget < 0:
-        raise ValueError(f"budget as an int is a number of bytes >= 0, got {budget!r}")
 
 
 def _checkpointed_forward(self, *args, **kwargs):
