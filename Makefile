@@ -43,8 +43,11 @@ cuda-check:
 		echo "nvcc $$f"; $(NVCC) -std=c++20 -O3 $(CUDA_ARCHS) -c $$f -o $$out/$$(basename $$f).o; \
 	done; rm -rf $$out
 
+# Writes bench/results/latest, then copies the run's tables into bench/RESULTS.md and README.md
+# (each only if every suite succeeded).
 bench: install
-	$(PY) -m bench
+	$(PY) -m bench --results-md bench/RESULTS.md
+	$(PY) -m bench.report bench/results/latest --results-md README.md
 
 clean:
 	rm -rf build *.egg-info gradaccel/*.so $(VENV)

@@ -230,7 +230,7 @@ def test_results_md_sections(tmp_path):
     assert "| c | time | s | 4 | 0.250x |" in text
 
 
-@pytest.mark.parametrize("name", cli.SUITES)
+@pytest.mark.parametrize("name", cli.SUITES + ("offload",))
 def test_real_suite_tiny(name, tmp_path, monkeypatch):
     """Each suite's own code on its tiny setting; turns on by itself once bench/<name>.py exists."""
     if not (REPO / "bench" / f"{name}.py").exists():
