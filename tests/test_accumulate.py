@@ -479,3 +479,60 @@ def test_missing_triton_says_how_to_fix():
     stand_in = ops._MissingTriton(ImportError("No module named 'triton'"))
     with pytest.raises(RuntimeError, match="pip install triton"):
         stand_in.fold
+
+
+# --- compiled for a GPU, without one -----------------------------------------------------------
+
+_COMPILE_SCRIPT = r"""
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton_kernels import accumulate as k
+
+ALIGNED16 = [["tt.divisibility", 16]]
+def compile_ptx(fn, sig, consts, aligned_args, arch):
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts,
+                    attrs={(i,): ALIGNED16 for i in aligned_args})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8}).asm["ptx"]
+
+sa = {n: "i64" for n in k._scale_accumulate_kernel.arg_names}
+sa.update(acc_ptr="*fp32", grad_ptr="*bf16", scale="fp32", CONTIGUOUS="constexpr", BLOCK="constexpr")
+fold = dict(flat_ptr="*fp32", table_ptr="*i64", block_map_ptr="*i32", scale="fp32",
+            ROW="constexpr", ALIGNED="constexpr", BLOCK="constexpr")
+fin = dict(flat_ptr="*fp32", scale_ptr="*fp32", sq_partial_ptr="*fp64", bad_partial_ptr="*i32",
+           numel="i64", BLOCK="constexpr")
+red = dict(sq_partial_ptr="*fp64", bad_partial_ptr="*i32", n="i64", sumsq_ptr="*fp32",
+           bad_ptr="*i1", BLOCK="constexpr")
+arch = int(sys.argv[1])
+cases = {
+    "scale_accumulate": (k._scale_accumulate_kernel, sa, {"CONTIGUOUS": True, "BLOCK": 4096}, (0, 1), True),
+    "scale_accumulate_strided": (k._scale_accumulate_kernel, sa, {"CONTIGUOUS": False, "BLOCK": 4096}, (0, 1), False),
+    "fold": (k._fold_kernel, fold, {"ROW": k.ROW, "ALIGNED": True, "BLOCK": k.FOLD_BLOCK}, (0,), True),
+    "fold_unaligned": (k._fold_kernel, fold, {"ROW": k.ROW, "ALIGNED": False, "BLOCK": k.FOLD_BLOCK}, (0,), False),
+    "finalize": (k._finalize_kernel, fin, {"BLOCK": 4096}, (0,), True),
+    "finalize_reduce": (k._finalize_reduce_kernel, red, {"BLOCK": 1024}, (), False),
+}
+for name, (fn, sig, consts, aligned, want_vectors) in cases.items():
+    ptx = compile_ptx(fn, sig, consts, aligned, arch)
+    vectors = len(re.findall(r"ld\.global\.v4", ptx))
+    assert not want_vectors or vectors > 0, f"{name}: no 16-byte vector loads for sm_{arch}"
+    print(name, vectors)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above run the compiled kernels")
+@pytest.mark.parametrize("arch", [80, 90])
+def test_kernels_compile_for_gpu(arch):
+    """Compiles every kernel to PTX for sm_80/sm_90 with Triton's own ptxas (no GPU needed), and
+    checks that full blocks use 16-byte vector loads: a kernel that only runs interpreted here
+    could otherwise fail to compile, or lose its bandwidth, unnoticed."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(arch)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
