@@ -120,7 +120,7 @@ def run(device: str, quick: bool) -> list[dict]:
             rows.append(row(SUITE, case, name, "peak_bytes", torch.cuda.max_memory_allocated() - base, "B", device))
     for name in per_block:
         rows.append(row(SUITE, case, name, "recompute_flops", flops[name] - flops["torch-none"], "FLOP", device))
-    progress(f"{case}: timing {n} variants, interleaved")
+    progress(f"{case}: timing {n} variants, interleaved", n, n)
     reps = 3 if tiny() else 5 if quick else 9
     times = time_interleaved({name: (lambda w=wrap: step(w)) for name, wrap in per_block.items()},
                              device, warmup=1 if tiny() else 2, reps=reps)
