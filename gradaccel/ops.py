@@ -1,14 +1,16 @@
 """Fused gradient-accumulation ops (public: ``scale_accumulate_``; ``fold_`` and ``finalize_``
 serve ``FusedAccumOptimizer``).
 
-Each function validates its arguments in Python (``ValueError``/``TypeError`` naming the
-argument), then calls the registered op ``torch.ops.gradaccel.<name>``: on CPU tensors its C++
-kernel (csrc/accumulate.cpp), on CUDA tensors the Triton launcher registered below as the op's
-CUDA kernel (triton_kernels/accumulate.py). The ops also have Meta kernels, so they trace under
-FakeTensor / torch.compile.
+Each is a registered op, ``torch.ops.gradaccel.<name>``, with a C++ kernel for CPU tensors
+(csrc/accumulate.cpp), a Triton kernel for CUDA tensors (triton_kernels/accumulate.py,
+registered below), and a Meta kernel, so the ops trace under FakeTensor / torch.compile. Bad
+arguments raise ``ValueError``/``TypeError`` naming the argument.
 
-These run once per parameter per micro-batch from a backward hook: the checks are attribute
-reads, and anything costlier (the fold's layout) is cached.
+These run once per parameter per micro-batch from a backward hook, so the per-call path is
+short: ``scale_accumulate_`` and ``finalize_`` check a few attributes in Python; ``fold_`` leaves
+every check to C++ (which refuses before writing anything) and only re-checks in Python to name
+what was refused. Eager CUDA calls go straight to the Triton launchers, skipping the
+dispatcher's round trip through C++ and back to Python.
 """
 
 import torch
@@ -66,6 +68,11 @@ def _triton():
 
 
 def _scale_accumulate_triton(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
+    _check_pair(acc, grad)
+    _scale_accumulate_launch(acc, grad, scale)
+
+
+def _scale_accumulate_launch(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
     if not acc.is_contiguous() and torch._debug_has_internal_overlap(acc) == 1:
         raise RuntimeError("gradaccel.scale_accumulate_: acc has overlapping elements (an "
                            "expanded view); accumulate into a tensor that owns its memory")
@@ -83,7 +90,11 @@ def _fold_triton(flat: torch.Tensor, grads: list, offsets: list, scale: float) -
 
 
 def _finalize_triton(flat: torch.Tensor, scale: torch.Tensor):
-    return _triton().finalize(flat, scale.to(device=flat.device, dtype=torch.float32))
+    return _finalize_launch(flat, _check_finalize(flat, scale))
+
+
+def _finalize_launch(flat: torch.Tensor, scale: torch.Tensor):
+    return _triton().finalize(flat, scale.to(dtype=torch.float32))
 
 
 class _MissingTriton:
@@ -114,6 +125,17 @@ def _check_buffer(fn: str, name: str, buf) -> None:
         raise ValueError(f"{fn}: {name} must be float32 (the fp32 accumulation buffer), got {buf.dtype}")
 
 
+def _check_pair(acc, grad) -> None:
+    _check_buffer("scale_accumulate_", "acc", acc)
+    _check_grad("scale_accumulate_: grad", grad)
+    if acc.device != grad.device:
+        raise ValueError(f"scale_accumulate_: acc is on {acc.device} but grad is on {grad.device}; "
+                         "move one of them")
+    if acc.shape != grad.shape:
+        raise ValueError(f"scale_accumulate_: grad has shape {tuple(grad.shape)} but acc has "
+                         f"shape {tuple(acc.shape)}; they must match")
+
+
 def scale_accumulate_(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> torch.Tensor:
     """``acc += grad.float() * scale`` in place, in fp32 arithmetic.
 
@@ -129,18 +151,11 @@ def scale_accumulate_(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> to
         ValueError: ``acc`` not float32, ``grad`` of an integer or other dtype, shapes or devices
             that differ.
     """
-    _check_buffer("scale_accumulate_", "acc", acc)
-    _check_grad("scale_accumulate_: grad", grad)
-    if acc.device != grad.device:
-        raise ValueError(f"scale_accumulate_: acc is on {acc.device} but grad is on {grad.device}; "
-                         "move one of them")
-    if acc.shape != grad.shape:
-        raise ValueError(f"scale_accumulate_: grad has shape {tuple(grad.shape)} but acc has "
-                         f"shape {tuple(acc.shape)}; they must match")
+    _check_pair(acc, grad)
     if _scale_accumulate_op is None:
         _load_ops()
     if acc.is_cuda and not _compiling():
-        _scale_accumulate_triton(acc, grad, float(scale))
+        _scale_accumulate_launch(acc, grad, float(scale))
     else:
         _scale_accumulate_op(acc, grad, float(scale))
     return acc
@@ -209,6 +224,26 @@ def fold_(flat: torch.Tensor, grads: list[torch.Tensor], offsets: list[int], sca
     return flat
 
 
+def _check_finalize(flat, scale) -> torch.Tensor:
+    """Checks finalize_'s arguments; returns ``scale`` as a tensor on ``flat``'s device."""
+    _check_buffer("finalize_", "flat", flat)
+    if not flat.is_contiguous():
+        raise ValueError("finalize_: flat must be contiguous (the flat accumulation buffer)")
+    if not isinstance(scale, torch.Tensor):
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+            raise TypeError(f"finalize_: scale must be a 0-d tensor or a number, got {type(scale).__name__}")
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=flat.device)
+    if scale.dim() != 0 or not scale.is_floating_point():
+        raise ValueError(f"finalize_: scale must be a 0-d floating-point tensor, got shape "
+                         f"{tuple(scale.shape)} and dtype {scale.dtype}")
+    if scale.device != flat.device:
+        if scale.device.type != "cpu":
+            raise ValueError(f"finalize_: scale is on {scale.device} but flat is on {flat.device}")
+        if flat.device.type != "cpu":
+            scale = scale.to(flat.device, non_blocking=True)
+    return scale
+
+
 def finalize_(flat: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``flat *= scale`` in one read and write, returning the squared norm and a non-finite flag.
 
@@ -226,23 +261,9 @@ def finalize_(flat: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, to
     Raises:
         ValueError: ``flat`` not float32 or not contiguous, ``scale`` not a 0-d floating tensor.
     """
-    _check_buffer("finalize_", "flat", flat)
-    if not flat.is_contiguous():
-        raise ValueError("finalize_: flat must be contiguous (the flat accumulation buffer)")
-    if not isinstance(scale, torch.Tensor):
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-            raise TypeError(f"finalize_: scale must be a 0-d tensor or a number, got {type(scale).__name__}")
-        scale = torch.tensor(float(scale), dtype=torch.float32, device=flat.device)
-    if scale.dim() != 0 or not scale.is_floating_point():
-        raise ValueError(f"finalize_: scale must be a 0-d floating-point tensor, got shape "
-                         f"{tuple(scale.shape)} and dtype {scale.dtype}")
-    if scale.device != flat.device:
-        if scale.device.type != "cpu":
-            raise ValueError(f"finalize_: scale is on {scale.device} but flat is on {flat.device}")
-        if flat.device.type != "cpu":
-            scale = scale.to(flat.device, non_blocking=True)
+    scale = _check_finalize(flat, scale)
     if _finalize_op is None:
         _load_ops()
     if flat.is_cuda and not _compiling():
-        return _finalize_triton(flat, scale)
+        return _finalize_launch(flat, scale)
     return _finalize_op(flat, scale)

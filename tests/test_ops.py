@@ -183,3 +183,20 @@ def test_kernels_compile_for_gpu(arch):
     done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(arch)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_cuda_kernels_check_their_arguments(device):
+    """The functions registered as the ops' CUDA kernels (reachable through torch.ops without
+    gradaccel.ops' own checks) refuse bad input too; run here on the test's device."""
+    acc = torch.zeros(4, device=device)
+    with pytest.raises(ValueError, match="shape"):
+        ops._scale_accumulate_triton(acc, torch.zeros(5, device=device), 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        ops._scale_accumulate_triton(acc, torch.zeros(4, dtype=torch.int64, device=device), 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops._finalize_triton(torch.zeros(4, 4, device=device).t(), torch.tensor(1.0))
+    with pytest.raises(ValueError, match="0-d"):
+        ops._finalize_triton(acc, torch.ones(2, device=device))
+    with pytest.raises(RuntimeError, match="overlaps"):
+        ops._fold_triton(torch.zeros(8, device=device), [acc, acc], [0, 2], 1.0)
+    assert torch.equal(acc, torch.zeros(4, device=device))
