@@ -41,8 +41,8 @@ FLOPS_PER_BYTE = {"cpu": 8.0, "cuda": 100.0}
 
 
 @dataclasses.dataclass(frozen=True)
-class Ref:
-    """A tensor argument: which value it reads and the view of that value's storage."""
+class View:
+    """A tensor as replay sees it: a value (a storage at one version) and a view of it."""
 
     storage: int
     value: int
@@ -50,6 +50,12 @@ class Ref:
     stride: tuple
     offset: int
     dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref(View):
+    """A tensor argument of a recorded op."""
+
     device: torch.device
     meta_only: bool = False
 
@@ -61,7 +67,6 @@ class Storage:
     creator: int = -1  # op that allocated it; -1: it existed before the region
     external: Any = None  # before the region: ("arg", i) or ("obj", weakref to a tensor)
     versions: list = dataclasses.field(default_factory=list)  # value ids, oldest first
-    written_here: bool = False  # an op of the region wrote to it
 
 
 @dataclasses.dataclass
@@ -77,16 +82,10 @@ class Op:
     random: bool
 
 
-@dataclasses.dataclass
-class Pack:
+@dataclasses.dataclass(frozen=True)
+class Pack(View):
     """One tensor autograd saved for backward, in the order autograd saved them."""
 
-    storage: int
-    value: int
-    size: tuple
-    stride: tuple
-    offset: int
-    dtype: torch.dtype
     grad_fn: object  # node_kind() of the tensor: tells apart ops that save the same shapes
 
 
@@ -151,9 +150,12 @@ class Graph:
     def current(self, sid: int) -> int:
         return self.storages[sid].versions[-1]
 
-    def ref(self, t: torch.Tensor, meta_only: bool = False) -> Ref:
+    def _view_of(self, t: torch.Tensor) -> tuple:
         sid = self.storage_of(t)
-        return Ref(sid, self.current(sid), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device, meta_only)
+        return sid, self.current(sid), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype
+
+    def ref(self, t: torch.Tensor, meta_only: bool = False) -> Ref:
+        return Ref(*self._view_of(t), t.device, meta_only)
 
     # -- recording ---------------------------------------------------------------------------
     def record(self, func, args, kwargs, out) -> None:
@@ -182,7 +184,6 @@ class Graph:
                 if hit is None or hit[0].expired() or hit[1] not in known:
                     new_storages.append((self._created(o, op_id), i))
         for s in written:
-            self.storages[s].written_here = True
             self._new_value(s, op_id)
         if random:
             self._new_value(Graph.RNG, op_id)
@@ -205,10 +206,9 @@ class Graph:
         return written
 
     def add_pack(self, t: torch.Tensor) -> int:
-        sid = self.storage_of(t)
-        self.packs.append(Pack(sid, self.current(sid), tuple(t.shape), tuple(t.stride()), t.storage_offset(),
-                               t.dtype, node_kind(t)))
-        return sid
+        pack = Pack(*self._view_of(t), node_kind(t))
+        self.packs.append(pack)
+        return pack.storage
 
     def finish(self, out) -> None:
         """Notes which storages the region returns: the caller holds those anyway."""
