@@ -229,6 +229,9 @@ def test_state_dict_and_deepcopy_unchanged():
 
 def _fsdp2_main():
     """Run by test_fsdp2_two_ranks under torchrun: FSDP2 around checkpointed blocks, either order."""
+    import os
+    import sys
+
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -259,6 +262,11 @@ def _fsdp2_main():
         assert len(calls) == 2 * len(model.blocks), (order, len(calls))
         print(f"rank {dist.get_rank()} {order}: ok", flush=True)
     dist.destroy_process_group()
+    # FSDP2 on gloo sometimes aborts in interpreter teardown ("terminate called without an
+    # active exception"), with or without checkpointing (4 of 10 plain FSDP2 runs, torch 2.13):
+    # leave without running the C++ static destructors.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def test_fsdp2_two_ranks():
