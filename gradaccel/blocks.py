@@ -10,6 +10,8 @@ run in ``__call__`` around ``forward``, so outside the checkpointed region and o
 """
 
 import functools
+import inspect
+import sys
 
 import torch
 import torch.nn as nn
@@ -35,22 +37,39 @@ def _checkpointed_forward(self, *args, **kwargs):
     return checkpoint(functools.partial(forward, **kwargs), *args, budget=self._gradaccel_budget)
 
 
+def _reduce_ex(self, protocol):
+    # The subclass is made at run time, so pickle cannot find it by name: pickle the block as
+    # its original class and make it checkpointed again on load (torch.save(model) works).
+    sub = type(self)._gradaccel_subclass
+    if type(self) is not sub:  # a further subclass (e.g. FSDP's): pickle as usual
+        return object.__reduce_ex__(self, protocol)
+    return _restore, (sub.__mro__[1],), self.__getstate__()
+
+
+def _restore(cls):
+    obj = cls.__new__(cls)
+    obj.__class__ = _subclass_for(cls)
+    return obj
+
+
 def _subclass_for(cls):
     sub = _SUBCLASSES.get(cls)
     if sub is None:
-        sub = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": _checkpointed_forward})
+        sub = type(f"Checkpointed{cls.__name__}", (cls,),
+                   {"forward": _checkpointed_forward, "__reduce_ex__": _reduce_ex, "__module__": cls.__module__})
         sub._gradaccel_subclass = sub
-        sub.__module__ = cls.__module__
         _SUBCLASSES[cls] = sub
     return sub
 
 
 def _is_hf_checkpointable(module):
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    # A PreTrainedModel exists only if transformers' modeling_utils is loaded: never import it
+    # (seconds) for a plain model.
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if modeling_utils is None:
         return False
-    return isinstance(module, PreTrainedModel) and bool(getattr(module, "supports_gradient_checkpointing", False))
+    return (isinstance(module, modeling_utils.PreTrainedModel)
+            and bool(getattr(module, "supports_gradient_checkpointing", False)))
 
 
 def _already_checkpointed(model):
@@ -67,8 +86,6 @@ def _already_checkpointed(model):
 
 
 def _hf_enable(model, budget):
-    import inspect
-
     if "gradient_checkpointing_func" not in inspect.signature(model._set_gradient_checkpointing).parameters:
         raise TypeError(
             f"{type(model).__name__} overrides _set_gradient_checkpointing with the pre-4.35 signature, "
@@ -145,8 +162,8 @@ def checkpoint_blocks(model, budget=None, block_types=None):
       modules of the largest ``nn.ModuleList`` whose entries all have one class (largest by
       parameter count). The block's class is swapped for a subclass whose ``forward`` is
       checkpointed; its parameters and ``state_dict`` keys do not change, and module hooks run
-      outside the checkpointed region (once per step, not again during recompute). Save such a
-      model with ``state_dict()``, not by pickling the module.
+      outside the checkpointed region (once per step, not again during recompute).
+      ``state_dict()``, ``copy.deepcopy`` and ``torch.save(model)`` keep working.
 
     Calling it on a model that is already checkpointed (by this function, by Hugging Face's
     ``gradient_checkpointing_enable`` or by torch's ``checkpoint_wrapper``) raises ``RuntimeError``;
@@ -208,7 +225,8 @@ def checkpoint_blocks(model, budget=None, block_types=None):
             names = ", ".join(t if isinstance(t, str) else t.__name__ for t in block_types)
             raise ValueError(f"checkpoint_blocks: no module of block_types ({names}) in {type(model).__name__}")
 
-    for block in blocks:
+    # A module listed twice (shared weights) is still one block: swap its class once.
+    for block in {id(b): b for b in blocks}.values():
         block.__class__ = _subclass_for(type(block))
         block._gradaccel_budget = budget
     return model

@@ -227,6 +227,42 @@ def test_state_dict_and_deepcopy_unchanged():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_shared_block_wrapped_once():
+    torch.manual_seed(0)
+    ref = Net()
+    ref.blocks[2] = ref.blocks[0]  # weight sharing: one module, used twice
+    model = checkpoint_blocks(copy.deepcopy(ref), budget=0.5)
+    assert model.blocks[2] is model.blocks[0]
+    assert type(model.blocks[0]).__mro__[1] is Block  # one level of subclass, not two
+    x = torch.randn(7, 5)
+    torch.testing.assert_close(_run(model, x), _run(ref, x), rtol=0, atol=0)
+    assert_grads_match(ref, model)
+
+
+def test_pickle_round_trip(tmp_path):
+    ref, model = _pair(p=0.3)
+    checkpoint_blocks(model, budget=0.5)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert all(_is_checkpointed(b) and b._gradaccel_budget == 0.5 for b in loaded.blocks)
+    assert type(loaded.blocks[0]) is type(model.blocks[0])
+    x = torch.randn(7, 5)
+    torch.testing.assert_close(_run(loaded, x), _run(ref, x), rtol=0, atol=0)
+    assert_grads_match(ref, loaded)
+    with pytest.raises(RuntimeError, match="already checkpointed"):
+        checkpoint_blocks(loaded)
+
+
+def test_plain_model_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch.nn as nn; from gradaccel.blocks import checkpoint_blocks; "
+            "checkpoint_blocks(nn.Sequential(nn.ModuleList([nn.Linear(2, 2)] * 2))); "
+            "assert 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def _fsdp2_main():
     """Run by test_fsdp2_two_ranks under torchrun: FSDP2 around checkpointed blocks, either order."""
     import os
