@@ -19,8 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradaccel.blocks import checkpoint_blocks
-from gradaccel.optimizer import FusedAccumOptimizer
+from gradaccel import FusedAccumOptimizer, checkpoint_blocks
 
 
 class ResidualMLP(nn.Module):

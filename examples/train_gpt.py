@@ -17,8 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradaccel.blocks import checkpoint_blocks
-from gradaccel.optimizer import FusedAccumOptimizer
+from gradaccel import FusedAccumOptimizer, checkpoint_blocks
 
 
 def stdlib_corpus(max_bytes):
