@@ -12,6 +12,7 @@ run in ``__call__`` around ``forward``, so outside the checkpointed region and o
 import functools
 import inspect
 import sys
+import types
 
 import torch
 import torch.nn as nn
@@ -85,13 +86,34 @@ def _already_checkpointed(model):
     return None
 
 
+class _HFCheckpoint:
+    """The ``gradient_checkpointing_func`` handed to transformers: gradaccel.checkpoint at ``budget``."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+    def __call__(self, function, *args, **kwargs):
+        # GradientCheckpointingLayer passes partial(forward, layer, **kw), the class's function
+        # with the layer as an argument. Bound as the layer's method instead, the plan is cached
+        # on the layer (dropped with it) rather than on the class function with the layer held
+        # in the cache key for as long as the process lives.
+        if (isinstance(function, functools.partial) and inspect.isfunction(function.func)
+                and function.args and isinstance(function.args[0], nn.Module)):
+            method = types.MethodType(function.func, function.args[0])
+            function = functools.partial(method, *function.args[1:], **function.keywords)
+        return checkpoint(function, *args, budget=self.budget, **kwargs)
+
+    def __repr__(self):
+        return f"gradaccel.checkpoint(budget={self.budget!r})"
+
+
 def _hf_enable(model, budget):
     if "gradient_checkpointing_func" not in inspect.signature(model._set_gradient_checkpointing).parameters:
         raise TypeError(
             f"{type(model).__name__} overrides _set_gradient_checkpointing with the pre-4.35 signature, "
             "which cannot take gradaccel.checkpoint; pass block_types=<its layer class> to wrap its "
             "blocks directly")
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(checkpoint, budget=budget))
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=_HFCheckpoint(budget))
     # As transformers does: checkpointed blocks fed by frozen embeddings (adapters, PEFT) must
     # still see inputs that require grad, or nothing upstream of the first block gets a gradient.
     if getattr(model, "main_input_name", None) == "input_ids" or getattr(model, "_hf_peft_config_loaded", False):

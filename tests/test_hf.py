@@ -80,7 +80,7 @@ def test_uses_the_hf_hook(arch):
     assert len(layers) == 2
     for layer in layers:
         assert layer.gradient_checkpointing is True
-        assert layer._gradient_checkpointing_func.keywords == {"budget": 0.5}
+        assert layer._gradient_checkpointing_func.budget == 0.5
     assert model.is_activation_checkpointing
     assert getattr(model, "_require_grads_hooks", None), "enable_input_require_grads() was not called"
     assert list(model.state_dict()) == list(ref.state_dict())
@@ -130,6 +130,19 @@ def test_eval_train_and_generate_keep_working(arch):
     a.backward(), b.backward()
     torch.testing.assert_close(b, a, rtol=0, atol=0)
     assert_grads_match(ref, model)
+
+
+def test_deleted_model_is_freed():
+    # Plans must not keep a model alive after the user drops it.
+    _, model = make_pair("llama", "eager")
+    checkpoint_blocks(model, budget=0.5)
+    ids = torch.randint(1, VOCAB, (2, SEQ))
+    for _ in range(2):
+        lm_loss(model, ids).backward()
+    layer = weakref.ref(model.model.layers[0])
+    del model
+    gc.collect()
+    assert layer() is None
 
 
 def test_frozen_embeddings_still_train_blocks():
