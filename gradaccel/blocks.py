@@ -67,10 +67,13 @@ def _is_hf_checkpointable(module):
     # A PreTrainedModel exists only if transformers' modeling_utils is loaded: never import it
     # (seconds) for a plain model.
     modeling_utils = sys.modules.get("transformers.modeling_utils")
-    if modeling_utils is None:
+    if modeling_utils is None or not isinstance(module, modeling_utils.PreTrainedModel):
         return False
-    return (isinstance(module, modeling_utils.PreTrainedModel)
-            and bool(getattr(module, "supports_gradient_checkpointing", False)))
+    if not getattr(module, "supports_gradient_checkpointing", False):
+        return False
+    # Remote code from before transformers 4.35 overrides the hook with a signature that cannot
+    # take a checkpoint function: such models are handled as plain models.
+    return "gradient_checkpointing_func" in inspect.signature(module._set_gradient_checkpointing).parameters
 
 
 def _already_checkpointed(model):
@@ -108,11 +111,6 @@ class _HFCheckpoint:
 
 
 def _hf_enable(model, budget):
-    if "gradient_checkpointing_func" not in inspect.signature(model._set_gradient_checkpointing).parameters:
-        raise TypeError(
-            f"{type(model).__name__} overrides _set_gradient_checkpointing with the pre-4.35 signature, "
-            "which cannot take gradaccel.checkpoint; pass block_types=<its layer class> to wrap its "
-            "blocks directly")
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=_HFCheckpoint(budget))
     # As transformers does: checkpointed blocks fed by frozen embeddings (adapters, PEFT) must
     # still see inputs that require grad, or nothing upstream of the first block gets a gradient.
@@ -177,7 +175,8 @@ def checkpoint_blocks(model, budget=None, block_types=None):
 
     - A Hugging Face ``PreTrainedModel`` with ``supports_gradient_checkpointing`` goes through its
       own hook (``_set_gradient_checkpointing(gradient_checkpointing_func=...)``), which picks its
-      layers itself, plus ``enable_input_require_grads()`` for models fed ``input_ids``. A plain
+      layers itself, plus ``enable_input_require_grads()`` for models fed ``input_ids``. (Remote
+      code that overrides that hook with its pre-4.35 signature is handled as a plain model.) A plain
       module holding such models (a custom head around ``AutoModel``) gets the same treatment for
       each of them when ``block_types`` is None.
     - Any other model: every outermost module matching ``block_types``, or if that is None the

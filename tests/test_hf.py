@@ -172,6 +172,39 @@ def test_twice_block_types_and_hf_enabled_raise():
         checkpoint_blocks(model)
 
 
+def test_pre_435_hook_is_handled_as_plain_model():
+    # Remote code from before transformers 4.35 overrides the hook as (module, value): it cannot
+    # take our function, so the blocks are wrapped directly.
+    def old_hook(module, value=False):
+        raise AssertionError("must not be called")
+
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_config("gpt2", 0.1), attn_implementation="eager")
+    model = copy.deepcopy(ref)
+    for m in (model, model.transformer):
+        m._set_gradient_checkpointing = old_hook
+    checkpoint_blocks(model, budget=0.5)
+    assert all(type(b).__name__ == "CheckpointedGPT2Block" for b in model.transformer.h)
+    assert not any(b.gradient_checkpointing for b in model.transformer.h)
+    ids = torch.randint(1, VOCAB, (2, SEQ))
+    for _ in range(2):
+        ref.zero_grad(), model.zero_grad()
+        a, b = lm_loss(ref, ids), lm_loss(model, ids)
+        a.backward(), b.backward()
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        assert_grads_match(ref, model)
+
+
+def test_base_model_hook_used_when_only_the_head_is_old():
+    def old_hook(module, value=False):
+        raise AssertionError("must not be called")
+
+    _, model = make_pair("gpt2", "eager")
+    model._set_gradient_checkpointing = old_hook
+    checkpoint_blocks(model, budget=0.5)
+    assert all(b.gradient_checkpointing for b in model.transformer.h)
+
+
 def test_plain_module_around_hf_model():
     # A custom head around a base model: the base model goes through its own hook.
     class Head(torch.nn.Module):
