@@ -121,7 +121,7 @@ def run(device: str, quick: bool) -> list[dict]:
     for name in per_block:
         rows.append(row(SUITE, case, name, "recompute_flops", flops[name] - flops["torch-none"], "FLOP", device))
     progress(f"{case}: timing {n} variants, interleaved", n, n)
-    reps = 3 if tiny() else 5 if quick else 9
+    reps = 3 if tiny() else 9 if quick else 15
     times = time_interleaved({name: (lambda w=wrap: step(w)) for name, wrap in per_block.items()},
                              device, warmup=1 if tiny() else 2, reps=reps)
     rows += [row(SUITE, case, name, "time", t, "s", device) for name, t in times.items()]
