@@ -26,8 +26,9 @@ import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
-from gradaccel._plan import Plan, _view, capture_rng, make_plan, offload_cost_per_byte, rng_bytes
-from gradaccel._trace import Graph, Recorder, node_kind
+from gradaccel._frames import Frame, OffloadFrame, TraceFrame, store_for
+from gradaccel._plan import Plan, capture_rng, make_plan, offload_cost_per_byte, rng_bytes
+from gradaccel._trace import Graph
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
 
@@ -127,198 +128,6 @@ def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
     return tuple(parts)
 
 
-# -- frames: the state of one forward call until its backward is done ------------------------
-class _Frame:
-    """Keeps or drops each saved tensor as the plan says; rebuilds dropped ones on unpack."""
-
-    def __init__(self, plan: Plan, flat: list, rng):
-        self.plan = plan
-        self.leaves = {sid: flat[i] for sid, i in plan.arg_leaves}
-        self.pack_leaves = plan.pack_leaves
-        self.rng = rng
-        self.k = 0
-        self.diverged = False
-        self.results = None
-
-    def pack(self, t: torch.Tensor):
-        k = self.k
-        self.k = k + 1
-        plan = self.plan
-        if self.diverged or k >= len(plan.keep) or not _same_meta(t, plan.graph.packs[k]):
-            self.diverged = True  # not what the trace saw: keep it, and everything after it
-            return t.detach()
-        if plan.keep[k]:
-            kept = t.detach()  # detached: the tensor itself would make a reference cycle
-            sid = self.pack_leaves.get(k)
-            if sid is not None:
-                self.leaves[sid] = kept
-            return kept
-        return k
-
-    def unpack(self, x):
-        if type(x) is not int:
-            return x
-        if self.results is None or x not in self.results:
-            self.results = self.plan.replay(self.leaves, self.rng)
-        return self.results.pop(x)
-
-    def finish(self, out) -> bool:
-        """Attaches the outputs replay reads; False when the call diverged from the trace."""
-        if self.plan.out_leaves:
-            outs = tree_flatten(out)[0]
-            for sid, j in self.plan.out_leaves:
-                self.leaves[sid] = outs[j].detach()
-        return not self.diverged and self.k == len(self.plan.keep)
-
-
-class _OffloadFrame(_Frame):
-    """A frame whose plan sends some saved storages to host memory through an ActivationStore.
-
-    The whole storage goes, once, at its first pack (views share it). If the store refuses
-    (``host_budget`` exhausted), the frame falls back to the plan without offload: it
-    recomputes instead, so the device budget still holds.
-    """
-
-    def __init__(self, plan: Plan, flat: list, rng, store):
-        super().__init__(plan, flat, rng)
-        fallback = plan.fallback
-        self.leaves.update({sid: flat[i] for sid, i in fallback.arg_leaves})
-        self.pack_leaves = {**fallback.pack_leaves, **plan.pack_leaves}
-        self.store = store
-        self.handles: dict = {}  # storage -> store handle
-        self.fetched: dict = {}  # storage -> the storage back on its device (bytes)
-        self.fell_back = False
-        self.prefetched = False
-        weakref.finalize(self, _release, store, self.handles)
-        global _previous_offload
-        self.previous, _previous_offload = _previous_offload, weakref.ref(self)
-
-    def pack(self, t: torch.Tensor):
-        k = self.k
-        x = super().pack(t)
-        if type(x) is int and not self.fell_back:
-            sid = self.plan.graph.packs[k].storage
-            if sid in self.plan.offloaded and sid not in self.handles:
-                whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-                handle = self.store.offload(whole)
-                if handle is None:
-                    self.fell_back = True
-                else:
-                    self.handles[sid] = handle
-        return x
-
-    def finish(self, out) -> bool:
-        if self.plan.fallback.out_leaves:
-            outs = tree_flatten(out)[0]
-            for sid, j in self.plan.fallback.out_leaves:
-                self.leaves[sid] = outs[j].detach()
-        return super().finish(out)
-
-    def unpack(self, x):
-        if type(x) is not int:
-            return x
-        if not self.prefetched:  # this region's copies, and the next region's (backward order)
-            self.prefetched = True
-            previous = self.previous() if self.previous is not None else None
-            for frame in (self, previous):
-                for handle in (frame.handles.values() if frame is not None else ()):
-                    self.store.prefetch(handle)
-        if self.fell_back:
-            if self.results is None or x not in self.results:
-                self.results = self.plan.fallback.replay(self.leaves, self.rng)
-            return self.results.pop(x)
-        p = self.plan.graph.packs[x]
-        if p.storage in self.plan.offloaded:
-            return _view(self._fetch(p.storage), p.size, p.stride, p.offset, p.dtype)
-        if self.results is None or x not in self.results:
-            for sid, src in self.plan.leaf_sources.items():
-                if src[0] == "offload":
-                    self.leaves[sid] = self._fetch(sid)
-        return super().unpack(x)
-
-    def _fetch(self, sid: int) -> torch.Tensor:
-        if sid not in self.fetched:
-            self.fetched[sid] = self.store.fetch(self.handles[sid])
-        return self.fetched[sid]
-
-
-_previous_offload = None  # the last frame that offloaded: the next one to prefetch in backward
-_STORES: dict = {}  # host_budget -> ActivationStore, shared by every region that offloads
-
-
-def _store(host_budget):
-    from gradaccel.offload import ActivationStore
-
-    if host_budget not in _STORES:
-        _STORES[host_budget] = ActivationStore(host_budget)
-    return _STORES[host_budget]
-
-
-def _release(store, handles: dict) -> None:
-    for handle in handles.values():
-        store.release(handle)
-    handles.clear()
-
-
-class _TraceFrame(_Frame):
-    """The first call: records the graph and drops every saved tensor that can be rebuilt."""
-
-    def __init__(self, graph: Graph, flat: list, rng):
-        self.graph = graph
-        self.flat = flat
-        self.rng = rng
-        self.dropped: set = set()
-        self.kept: dict = {}
-        self.recorder = Recorder(graph)
-        self.plan = None
-        self.leaves = {}
-        self.results = None
-
-    def pack(self, t: torch.Tensor):
-        self.recorder.paused = True  # our own detach() is not part of the region
-        try:
-            graph = self.graph
-            sid = graph.add_pack(t)
-            k = len(graph.packs) - 1
-            if graph.storages[sid].creator >= 0 and graph.recomputable(graph.current(sid)):
-                self.dropped.add(sid)
-                return k
-            self.kept[k] = t.detach()
-            return self.kept[k]
-        finally:
-            self.recorder.paused = False
-
-    def finish(self, out) -> bool:
-        graph = self.graph
-        graph.finish(out)
-        self.strong = graph.take_externals()  # this call's backward may read them
-        self.plan = make_plan(graph, 0, dropped=self.dropped)
-        outs = tree_flatten(out)[0]
-        for sid, src in self.plan.leaf_sources.items():
-            kind, x = src
-            if kind == "arg":
-                self.leaves[sid] = self.flat[x]
-            elif kind == "pack":
-                self.leaves[sid] = self.kept[x]
-            elif kind == "out":
-                self.leaves[sid] = outs[x].detach()
-        # Outputs are held by the caller: what was dropped from them is taken back from there.
-        for s, j in graph.outputs.items():
-            self.leaves.setdefault(s, outs[j].detach())
-        self.flat = self.kept = None
-        return True
-
-    def unpack(self, x):
-        if type(x) is int and self.plan.keep[x]:  # an output's storage, dropped before it was one
-            p = self.graph.packs[x]
-            return _view(self.leaves[p.storage], p.size, p.stride, p.offset, p.dtype)
-        return super().unpack(x)
-
-
-def _same_meta(t: torch.Tensor, pack) -> bool:
-    return t.dtype == pack.dtype and t.shape == pack.size and node_kind(t) == pack.grad_fn
-
-
 # -- the public API ----------------------------------------------------------------------------
 @torch._disable_dynamo
 def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentrant=None, offload=False,
@@ -382,15 +191,15 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
         if region.plan.externals_alive():
             return _run_planned(region, regions, key, fn, args, kwargs, flat)
     return _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state,
-                       _store(host_budget) if offload else None)
+                       store_for(host_budget) if offload else None)
 
 
 def _run_planned(region, regions, key, fn, args, kwargs, flat):
     plan = region.plan
     uses_rng = plan.uses_rng or (plan.fallback is not None and plan.fallback.uses_rng)
     rng = capture_rng({s.device for s in plan.graph.storages}) if uses_rng else None
-    frame = _Frame(plan, flat, rng) if region.store is None or not plan.offloaded else \
-        _OffloadFrame(plan, flat, rng, region.store)
+    frame = Frame(plan, flat, rng) if region.store is None or not plan.offloaded else \
+        OffloadFrame(plan, flat, rng, region.store)
     with saved_tensors_hooks(frame.pack, frame.unpack):
         out = fn(*args, **kwargs)
     if not frame.finish(out):
@@ -406,7 +215,7 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     graph = Graph(flat, preserve_rng_state)
     devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
     rng = capture_rng(devices) if preserve_rng_state else None
-    frame = _TraceFrame(graph, flat, rng)
+    frame = TraceFrame(graph, flat, rng)
     with saved_tensors_hooks(frame.pack, frame.unpack), frame.recorder:
         out = fn(*args, **kwargs)
     frame.finish(out)

@@ -349,7 +349,7 @@ def test_plan_report_is_a_readable_table():
 
 # -- offload: keep, offload or recompute under one budget --------------------------------------
 def _store():
-    return sys.modules["gradaccel.checkpoint"]._STORES
+    return sys.modules["gradaccel._frames"].STORES
 
 
 @pytest.fixture
