@@ -6,8 +6,9 @@ How it works, per region (a callable) and input signature:
    be rebuilt is dropped, so the budget holds from the first step) while a dispatch mode
    records its aten ops, the bytes of every storage and what autograd saves
    (gradaccel/_trace.py). At its end the C++ planner picks what to keep (gradaccel/_plan.py).
-2. Later calls run the forward with no dispatch mode at all: a saved-tensor pack hook keeps or
-   drops the k-th saved tensor as the plan says. That hook is the whole per-call overhead.
+2. Later calls run the forward with no dispatch mode at all: a saved-tensor pack hook keeps,
+   drops or (``offload=True``) sends to host memory the k-th saved tensor as the plan says
+   (gradaccel/_frames.py). That hook is the whole per-call overhead.
 3. Backward unpacks a dropped tensor: the frame replays only the recorded ops that the dropped
    tensors need, from kept tensors and inputs, and hands each one back.
 
