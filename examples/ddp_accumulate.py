@@ -12,6 +12,7 @@ so). Start every rank from the same weights (broadcast below). gloo on CPU, NCCL
 
 import argparse
 import copy
+import gc
 import os
 
 import torch
@@ -103,6 +104,11 @@ def main():
         print(f"check: max |param - big-batch param| = {diff:.3e}")
         assert diff < 1e-5, "FusedAccumOptimizer diverged from single-process big-batch training"
         print("check: ok")
+    # The optimizer holds the process group: free it (and any garbage cycle still holding the
+    # group) first. A group that outlives destroy_process_group is destroyed at exit, which can
+    # abort the process ("terminate called without an active exception"; gloo, torch 2.13).
+    del opt
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -301,9 +301,10 @@ def _fsdp2_main():
         assert len(calls) == 2 * len(model.blocks), (order, len(calls))
         print(f"rank {dist.get_rank()} {order}: ok", flush=True)
     dist.destroy_process_group()
-    # FSDP2 on gloo sometimes aborts in interpreter teardown ("terminate called without an
-    # active exception"), with or without checkpointing (4 of 10 plain FSDP2 runs, torch 2.13):
-    # leave without running the C++ static destructors.
+    # A process group still referenced after destroy_process_group (FSDP2's meshes hold it) is
+    # destroyed at interpreter exit, which aborts about half the time on gloo ("terminate called
+    # without an active exception"; seen without checkpointing too, torch 2.13): leave without
+    # running the exit-time destructors.
     sys.stdout.flush()
     os._exit(0)
 
