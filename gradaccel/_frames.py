@@ -27,6 +27,7 @@ class Frame:
         self.diverged = False
         self.results = None
 
+    @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
         k = self.k
         self.k = k + 1
@@ -42,6 +43,7 @@ class Frame:
             return kept
         return k
 
+    @torch._disable_dynamo
     def unpack(self, x):
         if type(x) is not int:
             return x
@@ -80,6 +82,7 @@ class OffloadFrame(Frame):
         global _previous_offload
         self.previous, _previous_offload = _previous_offload, weakref.ref(self)
 
+    @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
         k = self.k
         x = super().pack(t)
@@ -101,6 +104,7 @@ class OffloadFrame(Frame):
                 self.leaves[sid] = outs[j].detach()
         return super().finish(out)
 
+    @torch._disable_dynamo
     def unpack(self, x):
         if type(x) is not int:
             return x
@@ -161,6 +165,7 @@ class TraceFrame(Frame):
         self.leaves = {}
         self.results = None
 
+    @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
         self.recorder.paused = True  # our own detach() is not part of the region
         try:
@@ -195,6 +200,7 @@ class TraceFrame(Frame):
         self.flat = self.kept = None
         return True
 
+    @torch._disable_dynamo
     def unpack(self, x):
         if type(x) is int and self.plan.keep[x]:  # an output's storage, dropped before it was one
             p = self.graph.packs[x]

@@ -112,18 +112,21 @@ def _owner(fn):
     return fn, None
 
 
+# Non-tensor arguments that are plain values enter the plan key as they are; anything else
+# (a module passed as an argument, say) by identity, so that the cache never keeps it alive.
+_VALUE_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
 def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
     # type(budget): 1 (one byte) and 1.0 (everything) are equal, and hash alike, in Python.
     parts = [func, spec, type(budget), budget, preserve, getattr(owner, "training", None)]
     for x in flat:
         if isinstance(x, torch.Tensor):
             parts.append((x.shape, x.dtype, x.device, x.requires_grad))
+        elif isinstance(x, _VALUE_TYPES):
+            parts.append((type(x), x))
         else:
-            try:
-                hash(x)
-                parts.append(x)
-            except TypeError:
-                parts.append((type(x), id(x)))
+            parts.append((type(x), id(x)))
     for kind in ("cpu", "cuda"):
         parts.append((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)))
     return tuple(parts)

@@ -1,9 +1,11 @@
 """gradaccel.checkpoint against stock PyTorch: same outputs and gradients at every budget, the
 budget honoured in measured bytes, and recompute that only shrinks as the budget grows."""
 
+import gc
 import math
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -247,6 +249,19 @@ def test_one_byte_and_everything_are_different_budgets():
         assert held == expected
 
 
+def test_plan_cache_keeps_no_argument_alive():
+    def fn(module, x):
+        return module(x).relu()
+
+    m = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    gradaccel.checkpoint(fn, m, x, budget=0.5).sum().backward()
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
+
+
 def test_new_shape_plans_again_and_plans_are_reused():
     block = make_block(dropout=0.0, seq_len=64)
     for T in (16, 16, 32, 16, 32):
@@ -424,3 +439,16 @@ def test_offload_only_where_the_copy_is_cheaper(monkeypatch):
 def test_bad_offload_arguments(bad):
     with pytest.raises(ValueError, match="offload|host_budget"):
         gradaccel.checkpoint(nn.Linear(2, 2), torch.randn(1, 2), budget=0.5, **bad)
+
+
+def test_saved_tensor_hooks_are_not_traced_by_dynamo():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch.manual_seed(0)
+    compiled = torch.compile(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)), backend="aot_eager")
+    for _ in range(3):
+        x = torch.randn(4, 16, requires_grad=True)
+        gradaccel.checkpoint(compiled, x, budget=0.5).sum().backward()
+    frames = set(counters["resumes"]) | set(counters["graph_break"])
+    assert not any("pack" in f or "same_meta" in f or "_is_view" in f for f in frames)
