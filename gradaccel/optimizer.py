@@ -136,7 +136,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.normalize = normalize
         self.max_grad_norm = max_grad_norm
         self.master_weights = master_weights
-        self.process_group = process_group
+        # Weakly: a process group still referenced at interpreter exit is torn down there, which
+        # aborts gloo processes about half the time after destroy_process_group().
+        self._group = None if process_group is None else weakref.ref(process_group)
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
 
@@ -409,16 +411,20 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             if not t:
                 v.zero_()  # stale from an earlier window (the hooks overwrite on first arrival)
         world = 1
-        if self.process_group is not None:
-            world = dist.get_world_size(self.process_group)
+        if self._group is not None:
+            group = self._group()
+            if group is None:
+                raise RuntimeError("FusedAccumOptimizer: its process_group was destroyed; "
+                                   "build a new optimizer for the new group")
+            world = dist.get_world_size(group)
             # Items and "who got a gradient" travel in one small fp64 all-reduce: every rank must
             # hand the same parameters to the inner optimizer, or they would drift apart.
             meta = torch.tensor([self._items] + [float(t) for t in touched], dtype=torch.float64,
                                 device=flat.device)
             if self._items_t is not None:
                 meta[0] += self._items_t
-            dist.all_reduce(flat, group=self.process_group)
-            dist.all_reduce(meta, group=self.process_group)
+            dist.all_reduce(flat, group=group)
+            dist.all_reduce(meta, group=group)
             host = meta.tolist()
             self._items, self._items_t = host[0], None
             touched = [t > 0 for t in host[1:]]
