@@ -2,7 +2,9 @@
 with checkpoint_blocks + FusedAccumOptimizer, against stock PyTorch big-batch training."""
 
 import copy
+import importlib.util
 import os
+import pathlib
 
 import pytest
 import torch
@@ -29,18 +31,16 @@ def assert_close_scaled(actual, expected, name):
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6 * scale, msg=lambda m: f"{name}: {m}")
 
 
-class Classifier(torch.nn.Module):
-    """Mean-pooled sentence embedding and a linear head, as sentence-transformers builds it."""
+def _example():
+    """examples/finetune_minilm.py, whose model this test trains: one Classifier, not two."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "finetune_minilm.py"
+    spec = importlib.util.spec_from_file_location("finetune_minilm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def __init__(self, encoder, classes=4):
-        super().__init__()
-        self.encoder = encoder
-        self.head = torch.nn.Linear(encoder.config.hidden_size, classes)
 
-    def forward(self, input_ids, attention_mask):
-        h = self.encoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        mask = attention_mask.unsqueeze(-1).to(h.dtype)
-        return self.head((h * mask).sum(1) / mask.sum(1))
+Classifier = _example().Classifier
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def base():
     tok = transformers.AutoTokenizer.from_pretrained(PATH)
     batch = tok(SENTENCES, padding="max_length", max_length=SEQ, truncation=True, return_tensors="pt")
     torch.manual_seed(0)
-    return Classifier(enc), batch, torch.tensor(LABELS)
+    return Classifier(enc, 4), batch, torch.tensor(LABELS)
 
 
 def test_loads_pretrained_offline(base):
