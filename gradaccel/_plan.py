@@ -40,16 +40,16 @@ class Plan:
     offloaded_bytes: int = 0
     fallback: "Plan | None" = None  # the plan without offload, if host memory runs out
 
-    # -- what the forward needs ------------------------------------------------------------
-    @property
+    # -- what the forward needs (computed once per plan, read by every call's frame) ---------
+    @functools.cached_property
     def arg_leaves(self) -> list[tuple[int, int]]:
         return [(sid, src[1]) for sid, src in self.leaf_sources.items() if src[0] == "arg"]
 
-    @property
+    @functools.cached_property
     def pack_leaves(self) -> dict[int, int]:
         return {src[1]: sid for sid, src in self.leaf_sources.items() if src[0] == "pack"}
 
-    @property
+    @functools.cached_property
     def out_leaves(self) -> list[tuple[int, int]]:
         return [(sid, src[1]) for sid, src in self.leaf_sources.items() if src[0] == "out"]
 
