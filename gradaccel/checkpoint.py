@@ -125,6 +125,8 @@ def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
             parts.append((x.shape, x.dtype, x.device, x.requires_grad))
         elif isinstance(x, _VALUE_TYPES):
             parts.append((type(x), x))
+        elif isinstance(x, torch.nn.Module):
+            parts.append((type(x), id(x), x.training))
         else:
             parts.append((type(x), id(x)))
     for kind in ("cpu", "cuda"):
@@ -231,7 +233,8 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
 
 
 def _run_dynamic(region, fn, args, kwargs, preserve_rng_state):
-    if region.budget_bytes(_total_bytes(region.graph)) >= _total_bytes(region.graph):
+    total = _total_bytes(region.graph)
+    if region.budget_bytes(total) >= total:
         return fn(*args, **kwargs)  # everything fits: plain autograd
     return _tc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
 
@@ -274,22 +277,17 @@ def checkpoint_sequential(functions, segments, input, budget=None, use_reentrant
     end = -1
     for start in range(0, segment_size * (segments - 1), segment_size):
         end = start + segment_size - 1
-        input = checkpoint(_Segment(functions[start:end + 1]), input, budget=budget,
+        input = checkpoint(_run_segment, input, *functions[start:end + 1], budget=budget,
                            use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state)
-    return _Segment(functions[end + 1:])(input)
+    return _run_segment(input, *functions[end + 1:])
 
 
-class _Segment(torch.nn.Module):
-    """A run of functions as one region; a module so its plan is cached across calls."""
-
-    def __init__(self, functions):
-        super().__init__()
-        self.functions = list(functions)
-
-    def forward(self, x):
-        for f in self.functions:
-            x = f(x)
-        return x
+def _run_segment(x, *functions):
+    """A run of functions as one region. The functions are arguments, so the plan is cached
+    on this one function and keyed by which functions (and, for modules, training mode)."""
+    for f in functions:
+        x = f(x)
+    return x
 
 
 # -- reporting ---------------------------------------------------------------------------------

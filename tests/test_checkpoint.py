@@ -160,8 +160,13 @@ def test_checkpoint_sequential_matches_torch(budget):
     seq = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.2)) for _ in range(6)])
     x = torch.randn(4, 16, requires_grad=True)
     expected = run(lambda t: tc.checkpoint_sequential(seq, 3, t, use_reentrant=False), seq, x)
-    for _ in range(2):
+    for _ in range(3):
         assert_same(run(lambda t: gradaccel.checkpoint_sequential(seq, 3, t, budget=budget), seq, x), expected)
+    if budget:  # two checkpointed segments, each traced once and then run from its plan
+        assert sorted(r["calls"] for r in plan_rows()) == [3, 3]
+    seq.eval()  # dropout off: a new signature, planned anew
+    assert_same(run(lambda t: gradaccel.checkpoint_sequential(seq, 3, t, budget=budget), seq, x),
+                run(lambda t: tc.checkpoint_sequential(seq, 3, t, use_reentrant=False), seq, x))
 
 
 def test_budget_zero_holds_no_more_than_torch_checkpoint():
