@@ -34,7 +34,9 @@ _STATEFUL = {
     aten.cudnn_batch_norm, aten.miopen_batch_norm, aten._batch_norm_impl_index,
 }
 # Ops whose results depend on data in a way a recorded constant would freeze (a Python scalar
-# read from a tensor, a data-dependent shape): a trace with one cannot be replayed on later calls.
+# read from a tensor, as `.item()` and `if tensor:` do, or a data-dependent shape): a trace with
+# one cannot be replayed on later calls. (Ints that only restate shapes, such as the sequence
+# lengths flash attention returns, are fine: shapes are part of the input signature.)
 _DYNAMIC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 # Machine balance of the recompute cost model: one byte moved costs as much as this many FLOPs.
 FLOPS_PER_BYTE = {"cpu": 8.0, "cuda": 100.0}
@@ -173,8 +175,6 @@ class Graph:
             reads.append(self.current(Graph.RNG))
             replayable = replayable and self.preserve_rng_state
         out_leaves, _ = tree_flatten(out)
-        if any(not isinstance(o, torch.Tensor) for o in out_leaves) and any(isinstance(x, torch.Tensor) for x in leaves):
-            self.dynamic = True  # e.g. `.item()`: a value read from data becomes a constant
         known = {r.storage for r in refs if isinstance(r, Ref)}
         new_storages, nbytes = [], sum(_nbytes(r) for r in refs if isinstance(r, Ref))
         for i, o in enumerate(out_leaves):

@@ -457,3 +457,30 @@ def test_saved_tensor_hooks_are_not_traced_by_dynamo():
         gradaccel.checkpoint(compiled, x, budget=0.5).sum().backward()
     frames = set(counters["resumes"]) | set(counters["graph_break"])
     assert not any("pack" in f or "same_meta" in f or "_is_view" in f for f in frames)
+
+
+def test_data_dependent_branch_falls_back_and_stays_correct():
+    lin = nn.Linear(8, 8)
+
+    def fn(x):
+        h = lin(x)
+        return h.exp() if h.sum() > 0 else h.sigmoid()  # `if tensor:` reads data into Python
+
+    for _ in range(4):
+        x = torch.randn(4, 8, requires_grad=True)
+        assert_same(run(lambda t: gradaccel.checkpoint(fn, t, budget=0.5), lin, x), run(fn, lin, x))
+    assert plan_rows()[0]["mode"].startswith("torch.utils.checkpoint")
+
+
+def test_fused_attention_is_planned_not_treated_as_data_dependent():
+    qkv = nn.Linear(32, 96)
+
+    def attention(x):
+        q, k, v = qkv(x).view(2, 16, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 16, 32)
+
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    for budget in (0.3, 1.0):
+        for _ in range(2):
+            assert_same(run(lambda t: gradaccel.checkpoint(attention, t, budget=budget), qkv, x), run(attention, qkv, x))
+    assert all(r["mode"] == "selective" for r in plan_rows())
