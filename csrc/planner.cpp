@@ -71,6 +71,7 @@ struct Search {
   std::vector<size_t> order;  // undecided candidates, largest first
   std::vector<char> kept, best_kept;
   double best = kInfeasible;
+  bool found = false;  // best_kept holds a plan within the budget (possibly one with no candidates)
   int64_t nodes = 0;
   bool exhausted = false;
 
@@ -88,6 +89,7 @@ struct Search {
     if (kept_bytes + suffix_bytes[depth] <= budget) {
       best = bound;
       best_kept = kept;
+      found = true;
       return;
     }
     if (depth == order.size()) return;
@@ -194,20 +196,21 @@ pybind11::tuple plan(const Problem& p, int64_t budget, int64_t node_limit) {
   if (seed_bytes <= budget) {
     s.best = p.replay_cost(seed);
     s.best_kept = seed;
+    s.found = true;
   }
   if (fits) {
     s.kept = kept;
     // The seed's own cost stays a valid incumbent: accept a search result only if strictly better.
     s.run(0, 0);
   }
-  std::vector<char> chosen = s.best_kept.empty() ? seed : s.best_kept;
+  std::vector<char> chosen = s.found ? s.best_kept : seed;
   std::vector<char> ops_mask;
   double cost = p.replay_cost(chosen, &ops_mask);
   std::vector<int64_t> ops;
   for (size_t i = 0; i < ops_mask.size(); ++i)
     if (ops_mask[i]) ops.push_back(static_cast<int64_t>(i));
   std::vector<bool> kept_out(chosen.begin(), chosen.end());
-  return pybind11::make_tuple(kept_out, ops, cost, fits && !s.exhausted, fits && !s.best_kept.empty());
+  return pybind11::make_tuple(kept_out, ops, cost, fits && !s.exhausted, fits && s.found);
 }
 
 // (replay cost, replayed ops in order) when candidate i is available iff available[i].

@@ -85,6 +85,11 @@ class _Region:
             # The saved generator state is held by the region too: it counts against the budget.
             budget = max(0, plan.budget_bytes - rng_bytes(self.graph))
             plan = make_plan(self.graph, budget, offload_cost_per_byte=copy_cost)
+        if not plan.fits:
+            _warn_once(("fits", self.name),
+                       f"gradaccel.checkpoint: {self.name} keeps {plan.kept_bytes} bytes, over its budget of "
+                       f"{plan.budget_bytes}: it saves tensors that cannot be recomputed (ops that update "
+                       "state, such as batch norm's running statistics). Raise the budget for this region.")
         return plan
 
 
@@ -99,9 +104,11 @@ _ALL: list = []  # weak references to every region, in creation order, for plan_
 
 
 def reset_plans() -> None:
-    """Forgets every trace and plan: each region is traced again on its next call."""
+    """Forgets every trace and plan (and which warnings were given): each region is traced
+    again on its next call."""
     _REGIONS.clear()
     _ALL.clear()
+    _warned.clear()
 
 
 def _owner(fn):

@@ -310,6 +310,16 @@ def test_batch_norm_running_stats_updated_once():
     assert torch.equal(net[1].running_var, ref_net[1].running_var)
 
 
+def test_budget_too_small_for_what_cannot_be_recomputed_is_warned_about():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(16, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match="over its budget"):
+        gradaccel.checkpoint(net, x, budget=1).sum().backward()
+    (row,) = plan_rows()
+    assert not row["fits"] and row["kept_bytes"] > row["budget_bytes"]
+
+
 def test_data_dependent_region_falls_back_and_stays_correct():
     lin = nn.Linear(8, 8)
 
@@ -484,3 +494,13 @@ def test_fused_attention_is_planned_not_treated_as_data_dependent():
         for _ in range(2):
             assert_same(run(lambda t: gradaccel.checkpoint(attention, t, budget=budget), qkv, x), run(attention, qkv, x))
     assert all(r["mode"] == "selective" for r in plan_rows())
+
+
+def test_region_that_saves_nothing_fits_any_budget():
+    x = torch.randn(4, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            gradaccel.checkpoint(torch.neg, x, budget=0.5).sum().backward()
+    (row,) = plan_rows()
+    assert row["fits"] and row["exact"] and row["kept_bytes"] == 0 == row["total_bytes"]
