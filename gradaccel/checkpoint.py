@@ -115,7 +115,8 @@ def _owner(fn):
     """What a plan is cached on: the bound object (a module) and function, or the callable."""
     bound = getattr(fn, "__self__", None)
     if bound is not None and not isinstance(bound, types.ModuleType):
-        return bound, getattr(fn, "__func__", None)
+        # A builtin bound method (tensor.exp) has no __func__: its name tells it from its siblings.
+        return bound, getattr(fn, "__func__", None) or fn.__name__
     return fn, None
 
 
@@ -193,7 +194,8 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
     owner, func = _owner(fn)
     key = _signature(func, flat, spec, budget, preserve_rng_state, owner) + (offload, host_budget)
     try:
-        regions = _REGIONS.setdefault(owner, {})
+        # A tensor's == is elementwise, so it cannot key a dict: its methods are traced every call.
+        regions = {} if isinstance(owner, torch.Tensor) else _REGIONS.setdefault(owner, {})
     except TypeError:  # not weak-referenceable: trace every call (correct, slower)
         regions = {}
     region = regions.get(key)

@@ -504,3 +504,13 @@ def test_region_that_saves_nothing_fits_any_budget():
             gradaccel.checkpoint(torch.neg, x, budget=0.5).sum().backward()
     (row,) = plan_rows()
     assert row["fits"] and row["exact"] and row["kept_bytes"] == 0 == row["total_bytes"]
+
+
+def test_two_methods_of_one_object_get_their_own_plans():
+    t = torch.randn(8, requires_grad=True)
+    y = torch.randn(8, requires_grad=True)
+    for _ in range(2):
+        for method, want in (("mul", t * y), ("add", t + y), ("mul", t * y)):
+            got = gradaccel.checkpoint(getattr(t, method), y, budget=0.5)  # one object, same signature
+            assert torch.equal(got, want)
+            assert torch.equal(torch.autograd.grad(got.sum(), y)[0], torch.autograd.grad(want.sum(), y)[0])
