@@ -1,34 +1,47 @@
 # Two commands do everything on a fresh machine: `make test` and `make bench`.
 PYTHON ?= python3
 VENV   ?= .venv
-PY     := $(VENV)/bin/python
 EXTRAS ?= test,hf
 # The CPU build of torch that this machine installs from a local file, without a download.
 TORCH_CPU ?= torch==2.13.0
-STAMP  := $(VENV)/.gradaccel-installed
 NVCC   ?= nvcc
 CUDA_ARCHS := -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90
+
+# Without a venv yet, a python that already has a CUDA torch (a provisioned GPU machine, often
+# offline) is used as it is: only this package is installed into it, nothing is fetched.
+# Anywhere else a venv gets the pinned CPU torch before anything can pull in a CUDA wheel.
+ifeq ($(wildcard $(VENV)/bin/python),)
+CUDA_TORCH := $(shell $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" >/dev/null 2>&1 && echo yes)
+endif
+ifeq ($(CUDA_TORCH),yes)
+PY       := $(PYTHON)
+VENV_PY  :=
+PACKAGE  := --no-deps -e .
+else
+PY       := $(VENV)/bin/python
+VENV_PY  := $(VENV)/bin/python
+PACKAGE  := -e ".[$(EXTRAS)]"
+endif
+STAMP := build/.gradaccel-installed
+# flock: several shells may build the one extension at once.
+LOCK  := flock build/.build.lock
 
 .PHONY: install test cuda-check bench clean
 
 # The extension is rebuilt in place on every install: build/ is kept, so ninja recompiles only
 # what changed and a no-op takes seconds. (A stamp file would miss an edit made mid-build.)
-# flock: several shells may build the one extension at once.
 install: $(STAMP)
-	flock $(VENV)/.build.lock $(PY) setup.py -q build_ext --inplace
+	$(LOCK) $(PY) setup.py -q build_ext --inplace
 
-# A machine whose python already has a CUDA torch keeps it (the venv sees the system packages);
-# anywhere else the venv gets the pinned CPU build before anything can pull in a CUDA wheel.
-$(PY):
-	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
-		$(PYTHON) -m venv --system-site-packages $(VENV); \
-	else \
-		$(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q $(TORCH_CPU); \
-	fi
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q $(TORCH_CPU)
 
-# The package (editable) and its dependencies: redone only when pyproject.toml or setup.py change.
-$(STAMP): $(PY) pyproject.toml setup.py
-	flock $(VENV)/.build.lock $(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
+# The package (editable) and its dependencies: redone when pyproject.toml, setup.py or the venv change.
+$(STAMP): pyproject.toml setup.py $(VENV_PY)
+	@mkdir -p build
+	$(LOCK) $(PY) -m pip install -q --no-build-isolation $(PACKAGE)
 	@touch $(STAMP)
 
 test: install
