@@ -71,8 +71,7 @@ class Plan:
                         "gradaccel.checkpoint: a tensor the region read from outside its arguments was freed "
                         "before backward; pass it to the region as an argument.")
                 leaves[sid] = t
-        devices = {s.device for s in graph.storages}
-        with torch.no_grad(), _autocast_off(devices), _rng_restored(rng_state):
+        with torch.no_grad(), _autocast_off(graph.devices), _rng_restored(rng_state):
             for op_id in self.steps:
                 op = graph.ops[op_id]
                 args = [self._arg(op_id, i, x, env, leaves) for i, x in enumerate(op.leaves)]
@@ -158,7 +157,7 @@ def offload_cost_per_byte(device: torch.device) -> float:
 
 
 def rng_bytes(graph: Graph) -> int:
-    cpu, cuda = capture_rng({s.device for s in graph.storages})
+    cpu, cuda = capture_rng(graph.devices)
     return cpu.numel() + sum(s.numel() for _, s in cuda)
 
 
@@ -178,7 +177,7 @@ def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
     """
     storages = graph.storages
     packed = {p.storage for p in graph.packs}
-    region = [s for s in sorted(packed) if storages[s].creator >= 0 and s not in graph.outputs]
+    region = graph.activations
     candidates = region if dropped is None else sorted(dropped - set(graph.outputs))
     available = [s.creator < 0 or i in graph.outputs or (i in packed and i not in candidates)
                  for i, s in enumerate(storages)]
@@ -253,7 +252,6 @@ def _build(graph, region, available, kept, offloaded, steps, cost, exact, fits, 
         else:
             leaf_sources[s] = ("pack", first_pack[s])
     return Plan(graph, keep, steps, reads, leaf_sources, any(graph.ops[i].random for i in steps),
-                sum(storages[s].nbytes for s in region if on_device(s)),
-                sum(storages[s].nbytes for s in region), budget,
+                sum(storages[s].nbytes for s in region if on_device(s)), graph.activation_bytes, budget,
                 sum(graph.ops[i].flops for i in steps), cost, exact, fits,
                 offloaded=offloaded, offloaded_bytes=sum(storages[s].nbytes for s in offloaded))

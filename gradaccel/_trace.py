@@ -103,6 +103,10 @@ class Graph:
         self.packs: list[Pack] = []
         self.outputs: dict[int, int] = {}  # storage -> index among flattened outputs
         self.dynamic = False
+        # Set by finish(): the region's activations (storage ids), their bytes, its devices.
+        self.activations: list[int] = []
+        self.activation_bytes = 0
+        self.devices: frozenset = frozenset()
         self.preserve_rng_state = preserve_rng_state
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # StorageImpl address -> (ref, id)
         self._strong: list = []  # externals, held for the traced call's own backward
@@ -211,13 +215,18 @@ class Graph:
         return pack.storage
 
     def finish(self, out) -> None:
-        """Notes which storages the region returns: the caller holds those anyway."""
+        """Notes which storages the region returns (the caller holds those anyway), and so which
+        ones are its activations: created inside, saved for backward, not returned."""
         for i, o in enumerate(tree_flatten(out)[0]):
             if isinstance(o, torch.Tensor):
                 hit = self._live.get(o.untyped_storage()._cdata)
                 if hit is not None and not hit[0].expired():
                     self.outputs.setdefault(hit[1], i)
         self._live.clear()
+        packed = {p.storage for p in self.packs}
+        self.activations = [s for s in sorted(packed) if self.storages[s].creator >= 0 and s not in self.outputs]
+        self.activation_bytes = sum(self.storages[s].nbytes for s in self.activations)
+        self.devices = frozenset(s.device for s in self.storages)
 
     def take_externals(self) -> list:
         """Hands over the strong references to tensors read from outside the arguments: the

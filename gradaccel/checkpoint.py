@@ -78,9 +78,9 @@ class _Region:
     def _plan(self) -> Plan:
         copy_cost = None
         if self.store is not None:
-            devices = {s.device for s in self.graph.storages}
+            devices = self.graph.devices
             copy_cost = offload_cost_per_byte(next((d for d in devices if d.type == "cuda"), torch.device("cpu")))
-        plan = make_plan(self.graph, self.budget_bytes(_total_bytes(self.graph)), offload_cost_per_byte=copy_cost)
+        plan = make_plan(self.graph, self.budget_bytes(self.graph.activation_bytes), offload_cost_per_byte=copy_cost)
         if plan.uses_rng or (plan.fallback is not None and plan.fallback.uses_rng):
             # The saved generator state is held by the region too: it counts against the budget.
             budget = max(0, plan.budget_bytes - rng_bytes(self.graph))
@@ -91,12 +91,6 @@ class _Region:
                        f"{plan.budget_bytes}: it saves tensors that cannot be recomputed (ops that update "
                        "state, such as batch norm's running statistics). Raise the budget for this region.")
         return plan
-
-
-def _total_bytes(graph: Graph) -> int:
-    packed = {p.storage for p in graph.packs}
-    return sum(graph.storages[s].nbytes for s in packed
-               if graph.storages[s].creator >= 0 and s not in graph.outputs)
 
 
 _REGIONS = weakref.WeakKeyDictionary()  # owner (module or function) -> {signature: _Region}
@@ -212,7 +206,7 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
 def _run_planned(region, regions, key, fn, args, kwargs, flat):
     plan = region.plan
     uses_rng = plan.uses_rng or (plan.fallback is not None and plan.fallback.uses_rng)
-    rng = capture_rng({s.device for s in plan.graph.storages}) if uses_rng else None
+    rng = capture_rng(plan.graph.devices) if uses_rng else None
     frame = Frame(plan, flat, rng) if region.store is None or not plan.offloaded else \
         OffloadFrame(plan, flat, rng, region.store)
     with saved_tensors_hooks(frame.pack, frame.unpack):
@@ -242,7 +236,7 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
 
 
 def _run_dynamic(region, fn, args, kwargs, preserve_rng_state):
-    total = _total_bytes(region.graph)
+    total = region.graph.activation_bytes
     if region.budget_bytes(total) >= total:
         return fn(*args, **kwargs)  # everything fits: plain autograd
     return _tc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
@@ -310,7 +304,7 @@ def plan_rows() -> list[dict]:
             continue
         plan, graph = region.plan, region.graph
         row = {"region": region.name, "signature": region.signature, "calls": region.calls,
-               "budget": region.budget, "total_bytes": _total_bytes(graph)}
+               "budget": region.budget, "total_bytes": graph.activation_bytes}
         if plan is None:
             row.update(mode="torch.utils.checkpoint (data-dependent region)")
         else:
