@@ -22,6 +22,7 @@ class Frame:
         self.plan = plan
         self.leaves = {sid: flat[i] for sid, i in plan.arg_leaves}
         self.pack_leaves = plan.pack_leaves
+        self.out_leaves = plan.out_leaves
         self.rng = rng
         self.k = 0
         self.diverged = False
@@ -53,9 +54,9 @@ class Frame:
 
     def finish(self, out) -> bool:
         """Attaches the outputs replay reads; False when the call diverged from the trace."""
-        if self.plan.out_leaves:
+        if self.out_leaves:
             outs = tree_flatten(out)[0]
-            for sid, j in self.plan.out_leaves:
+            for sid, j in self.out_leaves:
                 self.leaves[sid] = outs[j].detach()
         return not self.diverged and self.k == len(self.plan.keep)
 
@@ -73,6 +74,7 @@ class OffloadFrame(Frame):
         fallback = plan.fallback
         self.leaves.update({sid: flat[i] for sid, i in fallback.arg_leaves})
         self.pack_leaves = {**fallback.pack_leaves, **plan.pack_leaves}
+        self.out_leaves = fallback.out_leaves + plan.out_leaves
         self.store = store
         self.handles: dict = {}  # storage -> store handle
         self.fetched: dict = {}  # storage -> the storage back on its device (bytes)
@@ -96,13 +98,6 @@ class OffloadFrame(Frame):
                 else:
                     self.handles[sid] = handle
         return x
-
-    def finish(self, out) -> bool:
-        if self.plan.fallback.out_leaves:
-            outs = tree_flatten(out)[0]
-            for sid, j in self.plan.fallback.out_leaves:
-                self.leaves[sid] = outs[j].detach()
-        return super().finish(out)
 
     @torch._disable_dynamo
     def unpack(self, x):
@@ -192,9 +187,8 @@ class TraceFrame(Frame):
                 self.leaves[sid] = self.flat[x]
             elif kind == "pack":
                 self.leaves[sid] = self.kept[x]
-            elif kind == "out":
-                self.leaves[sid] = outs[x].detach()
-        # Outputs are held by the caller: what was dropped from them is taken back from there.
+        # Outputs are held by the caller: replay reads them, and what was dropped from them is
+        # taken back, from there.
         for s, j in graph.outputs.items():
             self.leaves.setdefault(s, outs[j].detach())
         self.flat = self.kept = None
