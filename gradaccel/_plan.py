@@ -53,6 +53,12 @@ class Plan:
     def out_leaves(self) -> list[tuple[int, int]]:
         return [(sid, src[1]) for sid, src in self.leaf_sources.items() if src[0] == "out"]
 
+    @property
+    def needs_rng(self) -> bool:
+        """Whether a call must save the generator state: this plan, or its fallback, replays
+        random ops."""
+        return self.uses_rng or (self.fallback is not None and self.fallback.uses_rng)
+
     def externals_alive(self) -> bool:
         """False once a tensor read from outside the arguments has died: the region has
         changed (e.g. a closure captured a new tensor) and must be traced again."""

@@ -72,16 +72,17 @@ class _Region:
         if not graph.dynamic:
             self.plan = self._plan()
 
-    def budget_bytes(self, total: int) -> int:
-        return self.budget if isinstance(self.budget, int) else int(self.budget * total)
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget if isinstance(self.budget, int) else int(self.budget * self.graph.activation_bytes)
 
     def _plan(self) -> Plan:
         copy_cost = None
         if self.store is not None:
             devices = self.graph.devices
             copy_cost = offload_cost_per_byte(next((d for d in devices if d.type == "cuda"), torch.device("cpu")))
-        plan = make_plan(self.graph, self.budget_bytes(self.graph.activation_bytes), offload_cost_per_byte=copy_cost)
-        if plan.uses_rng or (plan.fallback is not None and plan.fallback.uses_rng):
+        plan = make_plan(self.graph, self.budget_bytes, offload_cost_per_byte=copy_cost)
+        if plan.needs_rng:
             # The saved generator state is held by the region too: it counts against the budget.
             budget = max(0, plan.budget_bytes - rng_bytes(self.graph))
             plan = make_plan(self.graph, budget, offload_cost_per_byte=copy_cost)
@@ -205,8 +206,7 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
 
 def _run_planned(region, regions, key, fn, args, kwargs, flat):
     plan = region.plan
-    uses_rng = plan.uses_rng or (plan.fallback is not None and plan.fallback.uses_rng)
-    rng = capture_rng(plan.graph.devices) if uses_rng else None
+    rng = capture_rng(plan.graph.devices) if plan.needs_rng else None
     frame = Frame(plan, flat, rng) if region.store is None or not plan.offloaded else \
         OffloadFrame(plan, flat, rng, region.store)
     with saved_tensors_hooks(frame.pack, frame.unpack):
@@ -236,8 +236,7 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
 
 
 def _run_dynamic(region, fn, args, kwargs, preserve_rng_state):
-    total = region.graph.activation_bytes
-    if region.budget_bytes(total) >= total:
+    if region.budget_bytes >= region.graph.activation_bytes:
         return fn(*args, **kwargs)  # everything fits: plain autograd
     return _tc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
 
