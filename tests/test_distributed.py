@@ -1,9 +1,12 @@
 """FusedAccumOptimizer with a process group: 2 ranks on gloo (CPU) equal single-process
 big-batch training, and a DistributedDataParallel-wrapped model is rejected with guidance."""
 
+import gc
 import json
 import os
 import socket
+import sys
+import time
 import traceback
 
 import pytest
@@ -14,6 +17,7 @@ import torch.multiprocessing as mp
 from gradaccel.optimizer import FusedAccumOptimizer
 
 WORLD = 2
+TIMEOUT_S = 180
 
 
 def _model():
@@ -105,7 +109,14 @@ def _worker(rank, port, out_dir):
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
+        gc.collect()  # the DDP scenario's reducer and its gloo work go before the group does
         dist.destroy_process_group()
+    # Skip interpreter finalization: gloo's worker threads can still hold tensors then, and freeing
+    # them needs the GIL of an interpreter being torn down, which aborts the rank (SIGABRT, seen in
+    # CI after every scenario had passed). The results are already on disk.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port():
@@ -120,7 +131,15 @@ def results(tmp_path_factory):
         pytest.skip("torch.distributed is not available")
     out = tmp_path_factory.mktemp("dist")
     # One spawn for all scenarios: starting ranks (importing torch) costs more than the tests.
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    ranks = mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:  # a hung collective must fail the test, not stall CI
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail(f"the {WORLD} ranks did not finish within {TIMEOUT_S} s")
+    missing = [r for r in range(WORLD) if not (out / f"rank{r}.json").exists()]
+    assert not missing, f"ranks {missing} did not get as far as running the scenarios"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
