@@ -48,13 +48,20 @@ test: install
 	@if command -v $(NVCC) >/dev/null 2>&1; then $(MAKE) --no-print-directory cuda-check; fi
 	$(PY) -m pytest -q tests
 
-# Compiles every CUDA source for sm_80 and sm_90; needs nvcc, not a GPU.
-cuda-check:
+# Compiles every CUDA source for sm_80 and sm_90 (needs nvcc, not a GPU), then the C++ sources
+# as a CUDA build sees them (GRADACCEL_WITH_CUDA): that code runs only on a GPU, so a CPU
+# machine checks at least that it compiles. Both need only torch's CPU headers.
+cuda-check: install
 	@set -e; files="$$(find csrc -name '*.cu')"; \
 	if [ -z "$$files" ]; then echo "cuda-check: no .cu sources"; exit 0; fi; \
 	out=$$(mktemp -d); for f in $$files; do \
 		echo "nvcc $$f"; $(NVCC) -std=c++20 -O3 $(CUDA_ARCHS) -c $$f -o $$out/$$(basename $$f).o; \
 	done; rm -rf $$out
+	@set -e; inc="$$($(PY) -c 'import sysconfig; from torch.utils.cpp_extension import include_paths; \
+		print(" ".join("-I" + p for p in include_paths() + [sysconfig.get_path("include")]))')"; \
+	for f in $$(grep -l GRADACCEL_WITH_CUDA csrc/*.cpp); do \
+		echo "c++ -DGRADACCEL_WITH_CUDA $$f"; $(CXX) -std=c++20 -fsyntax-only -Wall -DGRADACCEL_WITH_CUDA=1 -Ibuild/generated $$inc $$f; \
+	done
 
 # Writes bench/results/latest, then copies the run's tables into bench/RESULTS.md and README.md
 # (each only if every suite succeeded).

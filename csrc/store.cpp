@@ -6,14 +6,14 @@
 // host-to-device copies on another, ordered by events, so the compute stream never waits on a
 // copy except where fetch() hands the tensor back. CPU tensors run the same logic with
 // synchronous memcpy and events that are complete at birth, so it is all tested without a GPU.
+// The host buffers come from HostPool (csrc/host_pool.h); completion events from store_event.h.
+
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -23,116 +23,20 @@
 #include <unordered_map>
 #include <vector>
 
-#include "store.h"
+#include "host_pool.h"
 
 namespace gradaccel {
 namespace {
 
-// Eight size classes per power of two: a buffer wastes under 12.5 %, and a tensor of the same
-// size as one released earlier always finds that buffer again, so steady steps never grow the pool.
-std::size_t size_class(std::size_t nbytes) {
-  constexpr std::size_t kMin = 512;
-  if (nbytes <= kMin) return kMin;
-  const std::size_t pow2 = std::size_t{1} << (63 - __builtin_clzll(nbytes - 1));  // pow2 < n <= 2 pow2
-  const std::size_t step = pow2 / 8;
-  return (nbytes + step - 1) / step * step;
-}
-
+using store::Buffer;
+using store::Event;
+using store::HostPool;
+using store::PoolStats;
 #ifdef GRADACCEL_WITH_CUDA
-void cuda_check(int code, const char* what) {
-  TORCH_CHECK(code == 0, "gradaccel ActivationStore: ", what, " failed: ", store_cuda::error_string(code));
-}
-
-const c10::impl::DeviceGuardImplInterface* cuda_impl() {
-  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-}
-
-void* native(const c10::Stream& stream) { return cuda_impl()->getStreamNativeHandle(stream); }
+using store::cuda_check;
+using store::cuda_impl;
+using store::native;
 #endif
-
-// Completion of one copy. A CUDA event; or, for CPU copies (synchronous), a flag that is
-// complete at birth unless a test deferred it to exercise the paths that wait for copies.
-class Event {
- public:
-  Event() = default;
-  static Event cpu(bool pending) {
-    Event e;
-    e.cpu_pending_ = pending;
-    return e;
-  }
-#ifdef GRADACCEL_WITH_CUDA
-  static Event record(void* stream) {
-    Event e;
-    cuda_check(store_cuda::event_create(&e.cuda_), "cudaEventCreate");
-    cuda_check(store_cuda::event_record(e.cuda_, stream), "cudaEventRecord");
-    return e;
-  }
-#endif
-  Event(Event&& o) noexcept : cuda_(o.cuda_), cpu_pending_(o.cpu_pending_) { o.cuda_ = nullptr; }
-  Event& operator=(Event&& o) noexcept {
-    if (this != &o) {
-      destroy();
-      cuda_ = o.cuda_;
-      cpu_pending_ = o.cpu_pending_;
-      o.cuda_ = nullptr;
-    }
-    return *this;
-  }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  ~Event() { destroy(); }
-
-  bool recorded() const { return cuda_ != nullptr || cpu_pending_; }
-
-  // True once the copy is done; never blocks.
-  bool query() const {
-#ifdef GRADACCEL_WITH_CUDA
-    if (cuda_) {
-      bool done = false;
-      cuda_check(store_cuda::event_query(cuda_, &done), "cudaEventQuery");
-      return done;
-    }
-#endif
-    return !cpu_pending_;
-  }
-
-  // The host waits for the copy.
-  void synchronize() {
-#ifdef GRADACCEL_WITH_CUDA
-    if (cuda_) cuda_check(store_cuda::event_synchronize(cuda_), "cudaEventSynchronize");
-#endif
-    cpu_pending_ = false;
-  }
-
-  // Work queued on `stream` from now on runs after the copy (a CPU "stream" is the host).
-  void block(void* stream) {
-#ifdef GRADACCEL_WITH_CUDA
-    if (cuda_ && stream) {
-      cuda_check(store_cuda::stream_wait_event(stream, cuda_), "cudaStreamWaitEvent");
-      return;
-    }
-#endif
-    (void)stream;
-    synchronize();
-  }
-
- private:
-  void destroy() noexcept {
-#ifdef GRADACCEL_WITH_CUDA
-    // A pending event may be destroyed: CUDA frees it once it completes.
-    if (cuda_) store_cuda::event_destroy(cuda_);
-#endif
-    cuda_ = nullptr;
-  }
-
-  void* cuda_ = nullptr;
-  bool cpu_pending_ = false;
-};
-
-struct Buffer {
-  void* ptr = nullptr;
-  std::size_t capacity = 0;
-};
 
 // One offloaded tensor.
 struct Entry {
@@ -157,7 +61,7 @@ struct Lanes {
 class ActivationStore : public torch::CustomClassHolder {
  public:
   ActivationStore(int64_t host_budget, bool pin_memory, int64_t max_inflight_bytes)
-      : budget_(host_budget), max_inflight_(max_inflight_bytes), pin_(pin_memory) {
+      : pool_(host_budget, pin_memory), budget_(host_budget), max_inflight_(max_inflight_bytes), pin_(pin_memory) {
     TORCH_CHECK(host_budget >= -1, "ActivationStore: host_budget must be >= 0 bytes (or -1 for no bound), got ",
                 host_budget);
     TORCH_CHECK(max_inflight_bytes >= -1,
@@ -169,25 +73,16 @@ class ActivationStore : public torch::CustomClassHolder {
 
   ~ActivationStore() override {
     std::lock_guard<std::mutex> lock(mu_);
-    // No buffer may go back to the system while a copy still reads or writes it. A destructor
-    // must not throw: a CUDA error here (the runtime already torn down at exit) is ignored.
-    auto wait = [](Event& ev) {
+    // No buffer may go back to the system while a copy still uses it. A destructor must not
+    // throw: a CUDA error here (the runtime already torn down at exit) is ignored.
+    for (auto& [handle, e] : entries_) {
       try {
-        ev.synchronize();
+        e.last_use().synchronize();
       } catch (...) {
       }
-    };
-    for (auto& [handle, e] : entries_) {
-      wait(e.last_use());
-      if (e.buf.ptr) free_buffer(e.buf);
+      if (e.buf.ptr) pool_.put_back(e.buf, Event());
     }
     entries_.clear();
-    for (auto& p : pending_) {
-      wait(p.second);
-      free_buffer(p.first);
-    }
-    pending_.clear();
-    trim_to(0);
 #ifdef GRADACCEL_WITH_CUDA
     for (auto& [index, lanes] : lanes_) store_cuda::event_destroy(lanes.order);
 #endif
@@ -218,7 +113,7 @@ class ActivationStore : public torch::CustomClassHolder {
     e.device = src.device();
     throttle(e.nbytes);
     if (e.nbytes > 0) {
-      std::optional<Buffer> buf = acquire(e.nbytes);
+      std::optional<Buffer> buf = pool_.acquire(e.nbytes);
       if (!buf) {
         ++refused_;
         return -1;
@@ -227,7 +122,7 @@ class ActivationStore : public torch::CustomClassHolder {
       try {
         copy_to_host(e, src);
       } catch (...) {
-        put_back(e.buf, Event());
+        pool_.put_back(e.buf, Event());
         throw;
       }
     }
@@ -271,7 +166,7 @@ class ActivationStore : public torch::CustomClassHolder {
     bytes_in_use_ -= e.nbytes;
     // Prefetched, never fetched: that memory belongs to the side stream, which reuses it in order.
     e.staged.reset();
-    if (e.buf.ptr) put_back(e.buf, std::move(e.last_use()));
+    if (e.buf.ptr) pool_.put_back(e.buf, std::move(e.last_use()));
   }
 
   // Waits for every copy in flight; afterwards every released buffer is free for reuse.
@@ -281,40 +176,31 @@ class ActivationStore : public torch::CustomClassHolder {
       e.written.synchronize();
       e.read.synchronize();
     }
-    for (auto& p : pending_) p.second.synchronize();
-    collect();
+    pool_.synchronize();
   }
 
   // Returns the idle buffers to the system; returns the bytes freed.
   int64_t trim() {
     std::lock_guard<std::mutex> lock(mu_);
-    collect();
-    const std::size_t before = reserved_;
-    trim_to(0);
-    return static_cast<int64_t>(before - reserved_);
+    return static_cast<int64_t>(pool_.trim());
   }
 
   c10::Dict<std::string, int64_t> stats() {
     std::lock_guard<std::mutex> lock(mu_);
-    collect();
-    int64_t idle = 0, idle_bytes = 0;
-    for (auto& [cap, ptrs] : free_) {
-      idle += static_cast<int64_t>(ptrs.size());
-      idle_bytes += static_cast<int64_t>(cap * ptrs.size());
-    }
+    const PoolStats p = pool_.stats();
     c10::Dict<std::string, int64_t> d;
     d.insert("handles", static_cast<int64_t>(entries_.size()));
     d.insert("bytes_in_use", static_cast<int64_t>(bytes_in_use_));
-    d.insert("bytes_reserved", static_cast<int64_t>(reserved_));
-    d.insert("bytes_idle", idle_bytes);
-    d.insert("buffers", buffers_);
-    d.insert("buffers_idle", idle);
-    d.insert("buffers_pending", static_cast<int64_t>(pending_.size()));
-    d.insert("hits", hits_);
-    d.insert("misses", misses_);
-    d.insert("waits", waits_);
+    d.insert("bytes_reserved", static_cast<int64_t>(p.bytes_reserved));
+    d.insert("bytes_idle", static_cast<int64_t>(p.bytes_idle));
+    d.insert("buffers", p.buffers);
+    d.insert("buffers_idle", p.buffers_idle);
+    d.insert("buffers_pending", p.buffers_pending);
+    d.insert("hits", p.hits);
+    d.insert("misses", p.misses);
+    d.insert("waits", p.waits);
     d.insert("refused", refused_);
-    d.insert("alloc_failures", alloc_failures_);
+    d.insert("alloc_failures", p.alloc_failures);
     d.insert("bytes_offloaded", static_cast<int64_t>(bytes_offloaded_));
     d.insert("host_budget", budget_);
     d.insert("bytes_inflight", static_cast<int64_t>(inflight_bytes_));
@@ -327,7 +213,7 @@ class ActivationStore : public torch::CustomClassHolder {
   // Test hooks. The next `n` host allocations fail as if the system refused them.
   void fail_next_allocations(int64_t n) {
     std::lock_guard<std::mutex> lock(mu_);
-    fail_next_ = n;
+    pool_.fail_next_allocations(n);
   }
   // CPU copies report "still in flight" until something waits for them, like CUDA copies.
   void defer_cpu_events(bool on) {
@@ -358,116 +244,6 @@ class ActivationStore : public torch::CustomClassHolder {
       inflight_bytes_ -= nbytes;
       inflight_.pop_front();
     }
-  }
-
-  // ---- host buffer pool -------------------------------------------------------------------
-
-  // A buffer for `nbytes`: an idle one of the same class, else one of that class that a copy
-  // still reads (waiting for the copy rather than growing the pool), else a new one if
-  // host_budget allows (idle buffers of other classes are freed to make room). nullopt: the
-  // budget refuses. Throws c10::OutOfMemoryError if the system refuses the memory.
-  std::optional<Buffer> acquire(std::size_t nbytes) {
-    const std::size_t cap = size_class(nbytes);
-    collect();
-    auto idle = free_.find(cap);
-    if (idle != free_.end() && !idle->second.empty()) {
-      void* ptr = idle->second.back();
-      idle->second.pop_back();
-      ++hits_;
-      return Buffer{ptr, cap};
-    }
-    for (auto it = pending_.begin(); it != pending_.end(); ++it) {
-      if (it->first.capacity != cap) continue;
-      it->second.synchronize();
-      Buffer buf = it->first;
-      pending_.erase(it);
-      ++hits_;
-      ++waits_;
-      return buf;
-    }
-    if (budget_ >= 0) {
-      const auto budget = static_cast<std::size_t>(budget_);
-      if (cap > budget) return std::nullopt;
-      if (reserved_ + cap > budget) trim_to(budget - cap);
-      if (reserved_ + cap > budget) return std::nullopt;
-    }
-    void* ptr = allocate(cap);
-    if (!ptr) {  // idle buffers of other sizes may be what the system misses: free them, try again
-      const std::size_t before = reserved_;
-      trim_to(0);
-      if (reserved_ < before) ptr = allocate(cap);
-    }
-    if (!ptr) {
-      ++alloc_failures_;
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "gradaccel ActivationStore: could not allocate ", cap, " bytes of ",
-                       pin_ ? "pinned host" : "host", " memory (", reserved_,
-                       " bytes already held by the store); nothing leaked and the store is still usable");
-    }
-    reserved_ += cap;
-    ++buffers_;
-    ++misses_;
-    return Buffer{ptr, cap};
-  }
-
-  void* allocate(std::size_t cap) {
-    if (fail_next_ > 0) {
-      --fail_next_;
-      return nullptr;
-    }
-#ifdef GRADACCEL_WITH_CUDA
-    if (pin_) {
-      void* ptr = nullptr;
-      return store_cuda::host_alloc(&ptr, cap) == 0 ? ptr : nullptr;
-    }
-#endif
-    return std::malloc(cap);
-  }
-
-  void free_buffer(const Buffer& buf) noexcept {
-#ifdef GRADACCEL_WITH_CUDA
-    if (pin_) {
-      store_cuda::host_free(buf.ptr);
-    } else {
-      std::free(buf.ptr);
-    }
-#else
-    std::free(buf.ptr);
-#endif
-    reserved_ -= buf.capacity;
-    --buffers_;
-  }
-
-  // Back to the pool: idle now if no copy reads it, else once `last_use` completes.
-  void put_back(const Buffer& buf, Event last_use) {
-    if (last_use.query()) {
-      free_[buf.capacity].push_back(buf.ptr);
-    } else {
-      pending_.emplace_back(buf, std::move(last_use));
-    }
-  }
-
-  // Pending buffers whose copies have finished become idle.
-  void collect() {
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      if (it->second.query()) {
-        free_[it->first.capacity].push_back(it->first.ptr);
-        it = pending_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-
-  // Frees idle buffers, largest first, until at most `limit` bytes are reserved.
-  void trim_to(std::size_t limit) {
-    for (auto it = free_.rbegin(); it != free_.rend() && reserved_ > limit; ++it) {
-      auto& ptrs = it->second;
-      while (!ptrs.empty() && reserved_ > limit) {
-        free_buffer(Buffer{ptrs.back(), it->first});
-        ptrs.pop_back();
-      }
-    }
-    std::erase_if(free_, [](const auto& kv) { return kv.second.empty(); });
   }
 
   // ---- copies -------------------------------------------------------------------------------
@@ -554,19 +330,16 @@ class ActivationStore : public torch::CustomClassHolder {
 #endif
 
   std::mutex mu_;
+  HostPool pool_;  // declared first: destroyed last, after the entries gave their buffers back
   const int64_t budget_;        // bytes of host buffers the store may hold; -1 = no bound
   const int64_t max_inflight_;  // bytes of device-to-host copies in flight; -1 = no bound
   const bool pin_;
   bool defer_cpu_ = false;
-  int64_t fail_next_ = 0;
 
   std::map<int64_t, Entry> entries_;
   int64_t next_handle_ = 0;
-  std::map<std::size_t, std::vector<void*>> free_;  // idle buffers by size class
-  std::deque<std::pair<Buffer, Event>> pending_;    // released, but a copy may still read them
-
-  std::size_t bytes_in_use_ = 0, reserved_ = 0, bytes_offloaded_ = 0;
-  int64_t buffers_ = 0, hits_ = 0, misses_ = 0, waits_ = 0, refused_ = 0, alloc_failures_ = 0, throttled_ = 0;
+  std::size_t bytes_in_use_ = 0, bytes_offloaded_ = 0;
+  int64_t refused_ = 0, throttled_ = 0;
   std::deque<std::pair<int64_t, std::size_t>> inflight_;  // (handle, bytes) of copies maybe in flight, oldest first
   std::size_t inflight_bytes_ = 0;
 };

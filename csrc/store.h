@@ -1,4 +1,4 @@
-// CUDA runtime calls used by the activation store (csrc/store.cpp), defined in
+// CUDA runtime calls used by the activation store (csrc/store.cpp, csrc/host_pool.cpp), defined in
 // csrc/cuda/store.cu on raw pointers and `void*` streams/events.
 //
 // Plain C++ on purpose: the .cu includes it without torch, and the .cpp without CUDA headers

@@ -1,7 +1,7 @@
 """Activation offload: park saved tensors in host memory and bring them back for backward.
 
-The store (``csrc/store.cpp``, ``csrc/cuda/store.cu``) keeps a pool of host buffers, pinned
-for CUDA tensors, that is reused from step to step. On CUDA every copy runs on a side stream,
+The store (``csrc/store.cpp``, its pool ``csrc/host_pool.cpp``, ``csrc/cuda/store.cu``) keeps a
+pool of host buffers, pinned for CUDA tensors, that is reused from step to step. On CUDA every copy runs on a side stream,
 ordered by events: ``offload`` returns before the device-to-host copy ends, ``prefetch``
 starts the host-to-device copy early, and only ``fetch`` makes the current stream wait. CPU
 tensors run the same logic with plain copies.
