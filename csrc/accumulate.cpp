@@ -178,8 +178,29 @@ void check_fold(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef of
   }
 }
 
-// Slices must be in bounds and disjoint: the fold writes them in parallel.
+// True if the memory spans of `a` and `b` (first to last element) intersect. Conservative for
+// strided tensors that interleave without touching, which is all a caller needs to avoid.
+bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.has_storage() || !b.has_storage()) return false;
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    return std::pair<uintptr_t, uintptr_t>(begin, begin + (last + 1) * t.element_size());
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+// Slices must be in bounds and disjoint, and no grad may live in flat: the fold writes the
+// slices in parallel while it reads the grads.
 void check_fold_layout(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets) {
+  for (size_t i = 0; i < grads.size(); ++i) {
+    TORCH_CHECK(!spans_intersect(flat, grads[i]), "gradaccel.fold_: grads[", i,
+                "] shares memory with flat; fold a gradient that does not alias the buffer (clone it)");
+  }
   const int64_t total = flat.numel();
   std::vector<size_t> order(grads.size());
   std::iota(order.begin(), order.end(), 0);

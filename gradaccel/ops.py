@@ -72,10 +72,32 @@ def _scale_accumulate_triton(acc: torch.Tensor, grad: torch.Tensor, scale: float
     _scale_accumulate_launch(acc, grad, scale)
 
 
+def _partially_overlaps(acc: torch.Tensor, grad: torch.Tensor) -> bool:
+    """True if grad shares memory with acc other than element for element (as C++'s
+    ``at::assert_no_partial_overlap`` refuses on the CPU path); the kernel reads one while it
+    writes the other."""
+    if acc.numel() == 0 or grad.numel() == 0:
+        return False
+    if acc.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr():
+        return False
+    if acc.data_ptr() == grad.data_ptr() and acc.stride() == grad.stride() and acc.dtype == grad.dtype:
+        return False  # the same elements: acc += acc * scale is well defined
+
+    def span(t):
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (g0, g1) = span(acc), span(grad)
+    return a0 < g1 and g0 < a1
+
+
 def _scale_accumulate_launch(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
     if not acc.is_contiguous() and torch._debug_has_internal_overlap(acc) == 1:
         raise RuntimeError("gradaccel.scale_accumulate_: acc has overlapping elements (an "
                            "expanded view); accumulate into a tensor that owns its memory")
+    if _partially_overlaps(acc, grad):
+        raise RuntimeError("gradaccel.scale_accumulate_: grad partially overlaps acc (some elements "
+                           "refer to a single memory location); pass a grad that does not alias acc")
     _triton().scale_accumulate(acc, grad, scale)
 
 
@@ -141,7 +163,8 @@ def scale_accumulate_(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> to
 
     Args:
         acc: float32 tensor, any shape and strides (without overlapping elements).
-        grad: float32/bfloat16/float16 tensor of ``acc``'s shape, on ``acc``'s device, any strides.
+        grad: float32/bfloat16/float16 tensor of ``acc``'s shape, on ``acc``'s device, any strides;
+            it may be ``acc`` itself, but not another view of ``acc``'s memory.
         scale: Python number, applied as float32.
 
     Returns:
@@ -150,6 +173,7 @@ def scale_accumulate_(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> to
     Raises:
         ValueError: ``acc`` not float32, ``grad`` of an integer or other dtype, shapes or devices
             that differ.
+        RuntimeError: ``acc`` with overlapping elements, or ``grad`` partially overlapping ``acc``.
     """
     _check_pair(acc, grad)
     if _scale_accumulate_op is None:
@@ -201,7 +225,7 @@ def fold_(flat: torch.Tensor, grads: list[torch.Tensor], offsets: list[int], sca
         flat: 1-D contiguous float32 buffer.
         grads: float32/bfloat16/float16 tensors on ``flat``'s device, any shapes and strides.
         offsets: one int per grad: where its slice of ``flat`` starts. Slices must lie inside
-            ``flat`` and be disjoint.
+            ``flat`` and be disjoint, and no grad may share memory with ``flat``.
         scale: Python number, applied as float32.
 
     Returns:
@@ -209,6 +233,7 @@ def fold_(flat: torch.Tensor, grads: list[torch.Tensor], offsets: list[int], sca
 
     Raises:
         ValueError: bad dtype, device, shape, offset count, out-of-bounds or overlapping slices.
+        RuntimeError: a grad that shares memory with ``flat``.
         TypeError: an argument that is not a tensor.
     """
     if _fold_op is None:

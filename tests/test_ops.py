@@ -80,6 +80,15 @@ def test_scale_accumulate_rejects_bad_input(device):
     # ... and so does the function registered as the CUDA kernel (run here on CPU tensors).
     with pytest.raises(RuntimeError, match="overlapping"):
         ops._scale_accumulate_triton(torch.zeros(1, device=device).expand(4), grad, 1.0)
+    # grad a shifted view of acc's memory: both paths refuse; acc itself as grad is well defined.
+    base = torch.arange(6.0, device=device)
+    for fn in (ops.scale_accumulate_, ops._scale_accumulate_triton):
+        with pytest.raises(RuntimeError, match="single memory location|partially overlaps"):
+            fn(base[0:4], base[1:5], 1.0)
+        assert torch.equal(base, torch.arange(6.0, device=device))
+        same = torch.arange(4.0, device=device)
+        fn(same, same, 0.5)
+        assert torch.equal(same, torch.arange(4.0, device=device) * 1.5)
 
 
 def test_fold_rejects_bad_input(device):
@@ -102,6 +111,13 @@ def test_fold_rejects_bad_input(device):
     with pytest.raises(ValueError, match=r"grads\[0\] is on meta"):
         ops.fold_(flat, [g.to("meta")], [0], 1.0)
     assert torch.equal(flat, torch.zeros(10, device=device))
+    # A grad living in flat: read while the fold writes (its own slice or another's).
+    flat[:] = torch.arange(10.0)
+    for grad_view, off in ((flat[0:4], 0), (flat[0:4], 2), (flat[3:9:2], 0)):
+        with pytest.raises(RuntimeError, match="shares memory with flat"):
+            ops.fold_(flat, [g, grad_view], [6, off], 1.0)
+    assert torch.equal(flat, torch.arange(10.0, device=device))
+    flat.zero_()
     if device == "cpu":
         with pytest.raises(RuntimeError, match="overlaps"):
             _op("fold_")(flat, [g, g], [0, 3], 1.0)
