@@ -1,0 +1,236 @@
+"""The window gradient of ``FusedAccumOptimizer``: one flat fp32 buffer, a slice per parameter.
+
+A post-accumulate-grad hook on each parameter folds its gradient into the parameter's slice as
+soon as autograd has produced it, then frees ``param.grad``. Which parameters got a gradient in
+the current window is told by a stamp per parameter against a shared micro-step clock, so the
+buffer is never zeroed as a whole: a parameter's first gradient of a window overwrites its slice.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Callable
+
+import torch
+
+from gradaccel import ops
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+DDP_HINT = (
+    "a parameter's .grad was written after FusedAccumOptimizer folded it in the same backward. "
+    "This is what DistributedDataParallel does (it all-reduces .grad after the fold hook), which "
+    "would all-reduce every micro-batch and mix unreduced and reduced gradients. Do not wrap the "
+    "model in DistributedDataParallel: build the optimizer on the plain model's parameters and "
+    "pass process_group=<group> (e.g. torch.distributed.group.WORLD); FusedAccumOptimizer then "
+    "all-reduces the fp32 window buffer once per window. Broadcast the initial parameters "
+    "yourself (torch.distributed.broadcast) so that every rank starts equal."
+)
+
+
+def _make_hook(views: list, stamps: list, clock: list, i: int) -> Callable[[torch.Tensor], None]:
+    # The hook holds no reference to the slots (only the shared lists), so a dropped optimizer
+    # is collected and its __del__ removes the hooks. `views` is mutated in place when the flat
+    # buffer grows (add_param_group), so the hook always folds into the live buffer.
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.layout is not torch.strided:
+            raise RuntimeError("FusedAccumOptimizer: sparse gradients are not supported "
+                               "(e.g. nn.Embedding(sparse=True)); use dense gradients")
+        if stamps[i] < clock[1]:
+            # First arrival in this window: a converting copy overwrites the stale slice, which
+            # saves zeroing the whole buffer every window (and reading it back here).
+            views[i].copy_(grad)
+        else:
+            ops.scale_accumulate_(views[i], grad, 1.0)
+        # Freeing the grad here is the memory win: no per-parameter .grad survives the backward.
+        param.grad = None
+        stamps[i] = clock[0]
+    return hook
+
+
+class GradSlots:
+    """Parameters, their fp32 slices of one flat buffer, their hooks and (optional) masters.
+
+    ``targets[i]`` is what the inner optimizer updates for ``params[i]``: the parameter itself,
+    or its fp32 master when ``master_weights`` and the parameter is bf16/fp16.
+    """
+
+    def __init__(self, master_weights: bool) -> None:
+        self.master_weights = master_weights
+        self.params: list[torch.Tensor] = []    # model parameters owning a slice, in order
+        self.targets: list[torch.Tensor] = []   # what the inner optimizer updates: master or param
+        self.offsets: list[int] = []
+        self.views: list[torch.Tensor] = []     # shaped fp32 views into the flat buffer
+        self.stamps: list[int] = []             # micro-step at which param i was last folded
+        self.lowp: list[int] = []               # indices of parameters that have an fp32 master
+        self.versions: list[int] = []           # their ._version after our last write
+        # [micro-steps so far, micro-step at which the window began]; shared with the hooks.
+        self.clock = [0, 0]
+        self.frozen: list[torch.Tensor] = []    # requires_grad=False at adoption: no slice
+        self.flat: torch.Tensor | None = None
+        self._handles: list = []
+        self._index: dict[int, int] = {}
+
+    # --- parameters -----------------------------------------------------------------------------
+    def adopt(self, params: list[torch.Tensor], state: dict) -> list[torch.Tensor]:
+        """Hooks new parameters; returns what the inner group must hold instead (masters).
+
+        ``state`` is the inner optimizer's state: what it holds for a parameter moves to the
+        parameter's master. Call :meth:`grow` afterwards; :meth:`forget_after` undoes.
+        """
+        device = self.params[0].device if self.params else None
+        out = []
+        for p in params:
+            if id(p) in self._index or any(p is f for f in self.frozen):
+                raise ValueError("some parameters appear in more than one parameter group")
+            if not p.requires_grad:
+                # No slice for frozen parameters: an fp32 copy of a frozen base model would
+                # cost memory for gradients that never come.
+                self.frozen.append(p)
+                out.append(p)
+                continue
+            if p.dtype not in _SUPPORTED:
+                raise ValueError(f"FusedAccumOptimizer accumulates in fp32: parameters must be "
+                                 f"float32, bfloat16 or float16, got {p.dtype}")
+            device = device or p.device
+            if p.device != device:
+                raise ValueError(f"all parameters must be on one device (one flat buffer); "
+                                 f"got {device} and {p.device}")
+            owner = getattr(p, "_gradaccel_owner", None)
+            other = owner() if owner is not None else None
+            if other is not None and other is not self:
+                warnings.warn("a parameter was managed by another FusedAccumOptimizer; its hooks "
+                              "are removed and this one takes over", UserWarning, stacklevel=3)
+                other.remove_hooks()
+            p._gradaccel_owner = weakref.ref(self)
+            target = p
+            if self.master_weights and p.dtype in _LOW_PRECISION:
+                target = p.detach().clone(memory_format=torch.contiguous_format).float()
+                if p in state:
+                    state[target] = state.pop(p)
+            i = len(self.params)
+            self._index[id(p)] = i
+            self.params.append(p)
+            self.targets.append(target)
+            self.stamps.append(-1)
+            self.versions.append(p._version)
+            if target is not p:
+                self.lowp.append(i)
+            self._handles.append(p.register_post_accumulate_grad_hook(
+                _make_hook(self.views, self.stamps, self.clock, i)))
+            out.append(target)
+        return out
+
+    def forget_after(self, n_params: int, n_frozen: int) -> None:
+        """Undoes the adoptions after the first ``n_params`` (and ``n_frozen`` frozen) ones."""
+        for h in self._handles[n_params:]:
+            h.remove()
+        for p in self.params[n_params:]:
+            del self._index[id(p)]
+        for lst in (self.params, self.targets, self.stamps, self.versions, self._handles):
+            del lst[n_params:]
+        self.lowp[:] = [i for i in self.lowp if i < n_params]
+        del self.frozen[n_frozen:]
+
+    def grow(self) -> None:
+        """(Re)allocates the flat fp32 buffer for all adopted parameters, keeping its content."""
+        old = self.flat
+        offsets, total = [], 0
+        for p in self.params:
+            offsets.append(total)
+            total += p.numel()
+        device = self.params[0].device if self.params else torch.device("cpu")
+        flat = torch.zeros(total, dtype=torch.float32, device=device)
+        if old is not None and old.numel():
+            flat[: old.numel()].copy_(old)
+        self.flat, self.offsets = flat, offsets
+        # In place: the hooks hold this very list.
+        self.views[:] = [flat[o: o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __del__(self) -> None:
+        try:
+            self.remove_hooks()
+        except Exception:  # interpreter shutdown: nothing left to clean
+            pass
+
+    # --- the window -----------------------------------------------------------------------------
+    def fold_leftovers(self) -> None:
+        """Folds grads that did not come through a hook (set by hand, or unfrozen later)."""
+        now, start = self.clock
+        late: dict[torch.dtype, tuple[list, list]] = {}
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue
+            if self.stamps[i] == now:
+                raise RuntimeError("FusedAccumOptimizer: " + DDP_HINT)
+            if self.stamps[i] < start:
+                self.views[i].zero_()  # the slice still holds an earlier window's values
+            grads, offs = late.setdefault(g.dtype, ([], []))
+            grads.append(g)
+            offs.append(self.offsets[i])
+            p.grad = None
+            self.stamps[i] = now
+        for grads, offs in late.values():
+            ops.fold_(self.flat, grads, offs, 1.0)
+        for p in self.frozen:
+            if p.grad is not None:
+                raise RuntimeError("FusedAccumOptimizer: a parameter that had requires_grad=False "
+                                   "when the optimizer was built now has a gradient; build the "
+                                   "optimizer after changing requires_grad")
+
+    def tick(self) -> None:
+        """Ends a micro-batch: later gradients belong to the next one."""
+        self.clock[0] += 1
+
+    def touched(self) -> list[bool]:
+        """Per parameter: did it get a gradient in the current window."""
+        return [s >= self.clock[1] for s in self.stamps]
+
+    def zero_untouched(self, touched: list[bool]) -> None:
+        """Zeroes the slices still holding an earlier window's values (see the hooks)."""
+        for t, v in zip(touched, self.views):
+            if not t:
+                v.zero_()
+
+    def start_window(self) -> None:
+        self.clock[1] = self.clock[0]
+
+    def restart(self, micro: int, touched: list[bool]) -> None:
+        """Resumes a window ``micro`` micro-batches in, in which ``touched`` parameters got grads."""
+        self.clock[:] = [micro, 0]
+        self.stamps[:] = [0 if t else -1 for t in touched]
+
+    # --- fp32 masters ---------------------------------------------------------------------------
+    def sync_masters(self) -> None:
+        """Re-reads masters from parameters changed in place since the last update.
+
+        A parameter's version counter moves when something else writes it (model.load_state_dict,
+        a manual edit); its master would otherwise overwrite that change at the next update.
+        """
+        for i in self.lowp:
+            p = self.params[i]
+            if p._version != self.versions[i]:
+                self.targets[i].copy_(p)
+                self.versions[i] = p._version
+
+    def write_back_masters(self) -> None:
+        """Rounds each master into its bf16/fp16 parameter (to nearest even, like ``.to(dtype)``)."""
+        if not self.lowp:
+            return
+        ps = [self.params[i] for i in self.lowp]
+        torch._foreach_copy_(ps, [self.targets[i] for i in self.lowp])
+        self.note_versions()
+
+    def note_versions(self) -> None:
+        """Records the parameters' versions after a write of ours (see :meth:`sync_masters`)."""
+        self.versions[:] = [p._version for p in self.params]
