@@ -86,9 +86,10 @@ def test_scale_accumulate_rejects_bad_input(device):
         with pytest.raises(RuntimeError, match="single memory location|partially overlaps"):
             fn(base[0:4], base[1:5], 1.0)
         assert torch.equal(base, torch.arange(6.0, device=device))
-        same = torch.arange(4.0, device=device)
-        fn(same, same, 0.5)
-        assert torch.equal(same, torch.arange(4.0, device=device) * 1.5)
+        if fn is ops.scale_accumulate_ or device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+            same = torch.arange(4.0, device=device)  # launches the kernel (conftest: Triton on CPU)
+            fn(same, same, 0.5)
+            assert torch.equal(same, torch.arange(4.0, device=device) * 1.5)
 
 
 def test_fold_rejects_bad_input(device):
