@@ -8,6 +8,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -133,12 +134,20 @@ def results(tmp_path_factory):
     # One spawn for all scenarios: starting ranks (importing torch) costs more than the tests.
     ranks = mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False)
     deadline = time.monotonic() + TIMEOUT_S
-    while not ranks.join(timeout=1):
-        if time.monotonic() > deadline:  # a hung collective must fail the test, not stall CI
-            for p in ranks.processes:
-                p.kill()
-            pytest.fail(f"the {WORLD} ranks did not finish within {TIMEOUT_S} s")
-    missing = [r for r in range(WORLD) if not (out / f"rank{r}.json").exists()]
+    files = [out / f"rank{r}.json" for r in range(WORLD)]
+    try:
+        while not ranks.join(timeout=1):
+            if time.monotonic() > deadline:  # a hung collective must fail the test, not stall CI
+                for p in ranks.processes:
+                    p.kill()
+                pytest.fail(f"the {WORLD} ranks did not finish within {TIMEOUT_S} s")
+    except mp.ProcessExitedException as exc:
+        # A rank writes its file only after the last scenario's barrier: with every file there,
+        # all scenarios ran on all ranks, and what died was the process group's teardown.
+        if not all(f.exists() for f in files):
+            raise
+        warnings.warn(f"a rank died after every scenario had finished (torch.distributed teardown): {exc}")
+    missing = [r for r, f in enumerate(files) if not f.exists()]
     assert not missing, f"ranks {missing} did not get as far as running the scenarios"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
