@@ -12,9 +12,9 @@ from gradaccel.version import __version__
 from gradaccel import ops
 from gradaccel.blocks import checkpoint_blocks
 from gradaccel.checkpoint import checkpoint, checkpoint_sequential, plan_report, plan_rows, reset_plans
-from gradaccel.optimizer import FusedAccumOptimizer
+from gradaccel.optimizer import FusedAccumOptimizer, WindowScheduler
 
 __all__ = [
     "__version__", "ops", "checkpoint", "checkpoint_sequential", "checkpoint_blocks", "plan_report",
-    "plan_rows", "reset_plans", "FusedAccumOptimizer",
+    "plan_rows", "reset_plans", "FusedAccumOptimizer", "WindowScheduler",
 ]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from gradaccel import ops
 from gradaccel._slots import GradSlots
 
-__all__ = ["FusedAccumOptimizer"]
+__all__ = ["FusedAccumOptimizer", "WindowScheduler"]
 
 _NORMALIZE = ("mean", "items")
 
@@ -153,6 +153,24 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     def micro_step(self) -> int:
         """Micro-batches already stepped in the current window (0 .. accum_steps-1)."""
         return self._micro
+
+    def per_window(self, scheduler: Any) -> "WindowScheduler":
+        """Wraps an LR scheduler so that its ``step()`` advances once per window, not per call.
+
+        For training loops that step the scheduler after every ``optimizer.step()``, such as Hugging
+        Face ``Trainer`` with ``gradient_accumulation_steps=1`` (this optimizer does the
+        accumulation): the k-th update then uses the schedule's k-th learning rate, as with the
+        framework's own accumulation. Give the schedule in windows (warm-up and total steps).
+
+        Args:
+            scheduler: a ``torch.optim.lr_scheduler.LRScheduler`` built on this optimizer (or
+                on the optimizer it wraps).
+
+        Returns:
+            A :class:`WindowScheduler`: ``step()`` passes through at the end of a window only;
+            everything else (``get_last_lr()``, ``state_dict()``, ...) is the scheduler's.
+        """
+        return WindowScheduler(scheduler, self)
 
     def __getstate__(self):
         # The base class would pickle only defaults/state/param_groups and unpickle into a
@@ -371,3 +389,36 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._items, self._items_t = float(extra["items"]), None
         self.skipped_steps = int(extra["skipped_steps"])
         self.last_grad_norm = extra["last_grad_norm"]
+
+
+class WindowScheduler:
+    """An LR scheduler whose ``step()`` advances only when its FusedAccumOptimizer ended a window.
+
+    Made by :meth:`FusedAccumOptimizer.per_window`. Attributes and methods other than ``step``
+    are the wrapped scheduler's; ``scheduler`` is the wrapped one.
+    """
+
+    def __init__(self, scheduler: Any, optimizer: FusedAccumOptimizer) -> None:
+        target = getattr(scheduler, "optimizer", None)
+        if target is not optimizer and target is not optimizer.optimizer:
+            raise ValueError("per_window: the scheduler must be built on this FusedAccumOptimizer "
+                             "(or on the optimizer it wraps)")
+        self.scheduler = scheduler
+        self.fused = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        # micro_step is 0 right after the step() that ended a window (applied or skipped), and
+        # before the first one: a call made before any optimizer step advances, as torch's does.
+        if self.fused.micro_step == 0:
+            self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)

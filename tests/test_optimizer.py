@@ -494,3 +494,24 @@ def test_load_state_dict_refuses_another_layout():
         bigger.load_state_dict(fp32.state_dict())
     with pytest.raises(ValueError, match="gradaccel"):
         fp32.load_state_dict(fp32.optimizer.state_dict())
+
+
+def test_per_window_scheduler_steps_once_per_window():
+    model = _mlp()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), 3)
+    sched = opt.per_window(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    x, y = _data(4)
+    lrs = []
+    for _ in range(7):  # a trainer's loop: the scheduler after every optimizer step
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == [1.0, 1.0, 0.5, 0.5, 0.5, 0.25, 0.25]
+    assert sched.get_last_lr() == [0.25] and sched.state_dict()["last_epoch"] == 2
+    fresh = FusedAccumOptimizer(torch.optim.SGD(_mlp().parameters(), lr=1.0), 3)
+    restored = fresh.per_window(torch.optim.lr_scheduler.StepLR(fresh.optimizer, step_size=1, gamma=0.5))
+    restored.load_state_dict(sched.state_dict())  # built on the inner optimizer: accepted too
+    assert restored.last_epoch == 2
+    with pytest.raises(ValueError, match="built on this FusedAccumOptimizer"):
+        opt.per_window(torch.optim.lr_scheduler.StepLR(fresh, step_size=1))
