@@ -372,7 +372,8 @@ std::tuple<at::Tensor, at::Tensor> finalize_cpu(const at::Tensor& flat, const at
     total += sq[c];
     any |= bad[c];
   }
-  return {at::scalar_tensor(static_cast<float>(total), flat.options()),
+  // fp64 out: squares of finite fp32 values overflow fp32 once the norm passes 1.8e19.
+  return {at::scalar_tensor(total, flat.options().dtype(at::kDouble)),
           at::scalar_tensor(any != 0, flat.options().dtype(at::kBool))};
 }
 
@@ -390,7 +391,7 @@ void fold_plan_meta(const at::Tensor& flat, at::TensorList grads, at::IntArrayRe
 }
 std::tuple<at::Tensor, at::Tensor> finalize_meta(const at::Tensor& flat, const at::Tensor& scale) {
   check_finalize(flat, scale);
-  return {at::empty({}, flat.options()), at::empty({}, flat.options().dtype(at::kBool))};
+  return {at::empty({}, flat.options().dtype(at::kDouble)), at::empty({}, flat.options().dtype(at::kBool))};
 }
 
 }  // namespace

@@ -29,6 +29,31 @@ DDP_HINT = (
 )
 
 
+def _slice_like(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
+    """``p``'s slice of ``flat``, shaped like ``p`` and, as autograd lays out a gradient, with
+    ``p``'s strides when ``p`` is dense (channels_last, transposed), else row-major. Optimizers,
+    fused ones most of all, expect ``.grad`` laid out like its parameter."""
+    n = p.numel()
+    if n == 0 or p.is_contiguous() or not _dense(p):
+        return flat[offset: offset + n].view(p.shape)
+    return flat.as_strided(p.shape, p.stride(), offset)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Its elements fill ``numel`` consecutive slots, each once (a permutation of row-major)."""
+    expected = 1
+    for d in reversed(_memory_order(t)):
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+def _memory_order(view: torch.Tensor) -> list[int]:
+    """Dimensions from the largest stride to the smallest: ``view.permute(order)`` is row-major."""
+    return sorted(range(view.dim()), key=lambda d: (-view.stride(d), -view.size(d)))
+
+
 def _make_hook(views: list, stamps: list, clock: list, i: int) -> Callable[[torch.Tensor], None]:
     # The hook holds no reference to the slots (only the shared lists), so a dropped optimizer
     # is collected and its __del__ removes the hooks. `views` is mutated in place when the flat
@@ -40,6 +65,7 @@ def _make_hook(views: list, stamps: list, clock: list, i: int) -> Callable[[torc
         if grad.layout is not torch.strided:
             raise RuntimeError("FusedAccumOptimizer: sparse gradients are not supported "
                                "(e.g. nn.Embedding(sparse=True)); use dense gradients")
+        grad = grad.detach()  # backward(create_graph=True): the window keeps values, not graphs
         if stamps[i] < clock[1]:
             # First arrival in this window: a converting copy overwrites the stale slice, which
             # saves zeroing the whole buffer every window (and reading it back here).
@@ -72,6 +98,7 @@ class GradSlots:
         self.clock = [0, 0]
         self.frozen: list[torch.Tensor] = []    # requires_grad=False at adoption: no slice
         self.flat: torch.Tensor | None = None
+        self._memory_order: list[list[int]] = []
         self._handles: list = []
         self._index: dict[int, int] = {}
 
@@ -86,7 +113,7 @@ class GradSlots:
         out = []
         for p in params:
             if id(p) in self._index or any(p is f for f in self.frozen):
-                raise ValueError("some parameters appear in more than one parameter group")
+                raise ValueError("a parameter appears twice in the parameter groups (in one group or in two)")
             if not p.requires_grad:
                 # No slice for frozen parameters: an fp32 copy of a frozen base model would
                 # cost memory for gradients that never come.
@@ -109,9 +136,10 @@ class GradSlots:
             p._gradaccel_owner = weakref.ref(self)
             target = p
             if self.master_weights and p.dtype in _LOW_PRECISION:
-                target = p.detach().clone(memory_format=torch.contiguous_format).float()
-                if p in state:
-                    state[target] = state.pop(p)
+                target = p.detach().clone().float()  # laid out like p, and so like its slice
+                if p in state:  # what the inner optimizer already holds for p: fp32, for the master
+                    state[target] = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                                     for k, v in state.pop(p).items()}
             i = len(self.params)
             self._index[id(p)] = i
             self.params.append(p)
@@ -149,7 +177,9 @@ class GradSlots:
             flat[: old.numel()].copy_(old)
         self.flat, self.offsets = flat, offsets
         # In place: the hooks hold this very list.
-        self.views[:] = [flat[o: o + p.numel()].view(p.shape) for o, p in zip(offsets, self.params)]
+        self.views[:] = [_slice_like(flat, o, p) for o, p in zip(offsets, self.params)]
+        # A grad permuted this way flattens in its slice's memory order (what fold_ writes).
+        self._memory_order = [_memory_order(v) for v in self.views]
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -176,7 +206,7 @@ class GradSlots:
             if self.stamps[i] < start:
                 self.views[i].zero_()  # the slice still holds an earlier window's values
             grads, offs = late.setdefault(g.dtype, ([], []))
-            grads.append(g)
+            grads.append(g.detach().permute(self._memory_order[i]))
             offs.append(self.offsets[i])
             p.grad = None
             self.stamps[i] = now
@@ -215,12 +245,15 @@ class GradSlots:
         """Re-reads masters from parameters changed in place since the last update.
 
         A parameter's version counter moves when something else writes it (model.load_state_dict,
-        a manual edit); its master would otherwise overwrite that change at the next update.
+        a manual edit); its master would otherwise overwrite that change at the next update. A
+        write that left the parameter equal to its rounded master (the model's state dict loaded
+        after the optimizer's, which restored the fp32 master) keeps the master's fp32 bits.
         """
         for i in self.lowp:
-            p = self.params[i]
+            p, master = self.params[i], self.targets[i]
             if p._version != self.versions[i]:
-                self.targets[i].copy_(p)
+                if not torch.equal(p, master.to(p.dtype)):
+                    master.copy_(p)
                 self.versions[i] = p._version
 
     def write_back_masters(self) -> None:

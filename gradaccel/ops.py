@@ -280,8 +280,9 @@ def finalize_(flat: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, to
         scale: 0-d floating tensor, on ``flat``'s device or the CPU (a Python number is accepted).
 
     Returns:
-        ``(sumsq, nonfinite)``: 0-d float32 sum of squares of the scaled values (accumulated in
-        float64), and 0-d bool, True if any scaled value is inf or NaN. Both on ``flat``'s device.
+        ``(sumsq, nonfinite)``: 0-d float64 sum of squares of the scaled values (float32 would
+        overflow for finite values once the norm passes 1.8e19), and 0-d bool, True if any
+        scaled value is inf or NaN. Both on ``flat``'s device.
 
     Raises:
         ValueError: ``flat`` not float32 or not contiguous, ``scale`` not a 0-d floating tensor.

@@ -10,7 +10,9 @@ and runs the wrapped optimizer on fp32 gradients (or fp32 master weights).
 
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
 import warnings
 import weakref
 from collections import OrderedDict
@@ -72,6 +74,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, FusedAccumOptimizer):
             raise TypeError("optimizer is already a FusedAccumOptimizer; wrap the inner optimizer once")
+        if _needs_closure(optimizer):
+            raise TypeError(f"{type(optimizer).__name__}.step() needs a closure that it calls again and "
+                            "again on one batch (a line search): it cannot accumulate over micro-batches")
         if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
             raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps!r}")
         if normalize not in _NORMALIZE:
@@ -113,7 +118,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._micro = 0
         self._items = 0.0
         self._items_t: torch.Tensor | None = None
-        self._mean_scale: torch.Tensor | None = None
+        self._mean_scale: tuple[tuple[int, int], torch.Tensor] | None = None
 
         for group in optimizer.param_groups:
             group["params"] = self._slots.adopt(group["params"], optimizer.state)
@@ -242,10 +247,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             if isinstance(num_items, torch.Tensor):
                 n = num_items.detach().to(device=self._slots.flat.device, dtype=torch.float64)
                 self._items_t = n if self._items_t is None else self._items_t + n
-            elif isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items >= 0:
+            elif isinstance(num_items, bool) or not isinstance(num_items, numbers.Real) or not num_items >= 0:
                 raise ValueError(f"num_items must be a number >= 0 or a tensor, got {num_items!r}")
             else:
-                self._items += num_items
+                self._items += float(num_items)
         elif num_items is not None:
             raise ValueError('num_items is only used with normalize="items"; this optimizer '
                              f"normalizes by {self.normalize!r}")
@@ -262,11 +267,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     def _window_scale(self, world: int) -> torch.Tensor:
         flat = self._slots.flat
         if self.normalize == "mean":
-            if self._mean_scale is None:
+            key = (self.accum_steps, world)  # accum_steps may be changed between windows
+            if self._mean_scale is None or self._mean_scale[0] != key:
                 # torch.full, not torch.tensor: no host-to-device copy on CUDA.
-                self._mean_scale = torch.full((), 1.0 / (self.accum_steps * world),
-                                              dtype=torch.float32, device=flat.device)
-            return self._mean_scale
+                self._mean_scale = key, torch.full((), 1.0 / (self.accum_steps * world),
+                                                   dtype=torch.float32, device=flat.device)
+            return self._mean_scale[1]
         total = torch.full((), self._items, dtype=torch.float64, device=flat.device)
         if self._items_t is not None:
             total = total + self._items_t
@@ -297,7 +303,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         scale = self._window_scale(world)
         sumsq, nonfinite = ops.finalize_(flat, scale)
         # One host sync per window, for both the flag and the norm.
-        ss, nf = torch.stack([sumsq.float(), nonfinite.float()]).tolist()
+        ss, nf = torch.stack([sumsq, nonfinite.double()]).tolist()
         norm = math.sqrt(ss) if ss >= 0 else float("nan")
         self.last_grad_norm = norm
         if nf or not math.isfinite(norm):
@@ -340,8 +346,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         Returns:
             dict with ``"state"`` and ``"param_groups"`` (the inner optimizer's, over the masters
             where ``master_weights``) and ``"gradaccel"``: the fp32 masters, the window buffer,
-            which parameters got a gradient this window, and the counters.
+            which parameters got a gradient this window, and the counters. Mid-window the
+            buffer is a copy, so the dict stays a consistent snapshot after further steps.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim.Optimizer does
+            pre_hook(self)
         slots = self._slots
         sd = self.optimizer.state_dict()
         items = self._items + (self._items_t.item() if self._items_t is not None else 0.0)
@@ -349,13 +358,15 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             "accum_steps": self.accum_steps,
             "normalize": self.normalize,
             "masters": [t if t is not p else None for p, t in zip(slots.params, slots.targets)],
-            "flat": slots.flat,
+            "flat": slots.flat.clone() if self._micro else slots.flat,  # between windows: unread
             "touched": slots.touched(),
             "micro": self._micro,
             "items": items,
             "skipped_steps": self.skipped_steps,
             "last_grad_norm": self.last_grad_norm,
         }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            sd = post_hook(self, sd) or sd
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -364,6 +375,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         Args:
             state_dict: from ``state_dict()`` of a wrapper over the same parameters.
         """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():  # as torch.optim.Optimizer does
+            state_dict = pre_hook(self, state_dict) or state_dict
         sd = dict(state_dict)
         extra = sd.pop("gradaccel", None)
         if extra is None:
@@ -376,6 +389,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                              f"({extra['flat'].numel()} elements, this optimizer has {slots.flat.numel()})")
         if any((m is None) != (t is p) for p, t, m in zip(slots.params, slots.targets, extra["masters"])):
             raise ValueError("state_dict was saved with another master_weights setting or dtypes")
+        if extra["normalize"] != self.normalize:
+            raise ValueError(f"state_dict was saved with normalize={extra['normalize']!r}; this optimizer "
+                             f"has normalize={self.normalize!r}")
+        if extra["micro"] and extra["accum_steps"] != self.accum_steps:
+            raise ValueError(f"state_dict was saved in the middle of a window of accum_steps="
+                             f"{extra['accum_steps']}; this optimizer has accum_steps={self.accum_steps}. "
+                             "Resume with the same accum_steps (change it between windows)")
         self.optimizer.load_state_dict(sd)
         with torch.no_grad():
             slots.flat.copy_(extra["flat"])
@@ -389,6 +409,16 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._items, self._items_t = float(extra["items"]), None
         self.skipped_steps = int(extra["skipped_steps"])
         self.last_grad_norm = extra["last_grad_norm"]
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: assume the usual optional closure
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 class WindowScheduler:

@@ -265,7 +265,7 @@ def test_finalize(device, path, n, scale):
     sumsq, nonfinite = finalize(path, flat, torch.tensor(scale, device=device))
     out, ref = _finalize_reference(flat0, scale)
     assert torch.equal(flat, out)  # one fp32 multiply: exact on every device
-    assert sumsq.shape == () and sumsq.dtype == torch.float32 and sumsq.device == flat.device
+    assert sumsq.shape == () and sumsq.dtype == torch.float64 and sumsq.device == flat.device
     assert nonfinite.shape == () and nonfinite.dtype == torch.bool and not nonfinite.item()
     assert sumsq.item() == pytest.approx(ref.item(), rel=2 * ULP, abs=1e-38)
     assert bool((guard == 3.0).all())

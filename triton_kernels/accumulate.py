@@ -162,7 +162,7 @@ def _finalize_reduce_kernel(sq_partial_ptr, bad_partial_ptr, n, sumsq_ptr, bad_p
         mask = idx < n
         sq += tl.load(sq_partial_ptr + idx, mask=mask, other=0.0)
         bad = tl.maximum(bad, tl.load(bad_partial_ptr + idx, mask=mask, other=0))
-    tl.store(sumsq_ptr, tl.sum(sq, axis=0).to(tl.float32))
+    tl.store(sumsq_ptr, tl.sum(sq, axis=0))
     tl.store(bad_ptr, tl.max(bad, axis=0) > 0)
 
 
@@ -298,15 +298,16 @@ def finalize(flat: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
             value computed on the device needs no host sync.
 
     Returns:
-        ``(sumsq, nonfinite)``: 0-d fp32 sum of squares of the scaled values (accumulated in
-        fp64), and 0-d bool, True if any scaled value is inf or NaN.
+        ``(sumsq, nonfinite)``: 0-d fp64 sum of squares of the scaled values (fp32 would
+        overflow for finite values past a norm of 1.8e19), and 0-d bool, True if any scaled
+        value is inf or NaN.
     """
     numel = flat.numel()
     block, warps = block_config(numel)
     nblocks = triton.cdiv(numel, block)
     sq_partial = torch.empty(nblocks, dtype=torch.float64, device=flat.device)
     bad_partial = torch.empty(nblocks, dtype=torch.int32, device=flat.device)
-    sumsq = torch.empty((), dtype=torch.float32, device=flat.device)
+    sumsq = torch.empty((), dtype=torch.float64, device=flat.device)
     nonfinite = torch.empty((), dtype=torch.bool, device=flat.device)
     if nblocks:
         _finalize_kernel[(nblocks,)](flat, scale, sq_partial, bad_partial, numel,
