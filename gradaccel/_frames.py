@@ -27,6 +27,7 @@ class Frame:
         self.k = 0
         self.diverged = False
         self.results = None
+        self.versions: dict = {}
 
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
@@ -49,8 +50,27 @@ class Frame:
         if type(x) is not int:
             return x
         if self.results is None or x not in self.results:
+            self._check_leaves()
             self.results = self.plan.replay(self.leaves, self.rng)
         return self.results.pop(x)
+
+    def _check_leaves(self) -> None:
+        """Replay reads the arguments and outputs as they are now: refuse, loudly, what would
+        rebuild the dropped tensors wrongly."""
+        for sid, (t, version) in self.versions.items():
+            if t._version != version:
+                raise RuntimeError(
+                    "gradaccel.checkpoint: an argument or output of the region was modified in place after "
+                    "its forward, and backward recomputes from it; modify a clone instead (or use budget=0, "
+                    "which recomputes from the arguments only).")
+        missing = [sid for sid, src in self.plan.leaf_sources.items() if sid not in self.leaves and src[0] != "obj"]
+        if missing:
+            raise RuntimeError(
+                "gradaccel.checkpoint: the region saved different tensors than when it was traced for the same "
+                "input signature, so what it dropped cannot be rebuilt. Make the region's behaviour depend only on "
+                "its arguments and on the modules it is called on (pass the region as a module, or as a method of "
+                "one, so that their training flags and frozen parameters are part of the signature), or call "
+                "gradaccel.reset_plans() after changing it.")
 
     def finish(self, out) -> bool:
         """Attaches the outputs replay reads; False when the call diverged from the trace."""
@@ -58,6 +78,7 @@ class Frame:
             outs = tree_flatten(out)[0]
             for sid, j in self.out_leaves:
                 self.leaves[sid] = outs[j].detach()
+        self.versions = _versions(self.leaves, self.plan)
         return not self.diverged and self.k == len(self.plan.keep)
 
 
@@ -159,6 +180,7 @@ class TraceFrame(Frame):
         self.plan = None
         self.leaves = {}
         self.results = None
+        self.versions: dict = {}
 
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
@@ -167,7 +189,8 @@ class TraceFrame(Frame):
             graph = self.graph
             sid = graph.add_pack(t)
             k = len(graph.packs) - 1
-            if graph.storages[sid].creator >= 0 and graph.recomputable(graph.current(sid)):
+            lazy = t.is_conj() or t.is_neg()  # replay would rebuild the storage without the flag
+            if not lazy and graph.storages[sid].creator >= 0 and graph.recomputable(graph.current(sid)):
                 self.dropped.add(sid)
                 return k
             self.kept[k] = t.detach()
@@ -191,6 +214,7 @@ class TraceFrame(Frame):
         # taken back, from there.
         for s, j in graph.outputs.items():
             self.leaves.setdefault(s, outs[j].detach())
+        self.versions = _versions(self.leaves, self.plan)
         self.flat = self.kept = None
         return True
 
@@ -200,6 +224,13 @@ class TraceFrame(Frame):
             p = self.graph.packs[x]
             return _view(self.leaves[p.storage], p.size, p.stride, p.offset, p.dtype)
         return super().unpack(x)
+
+
+def _versions(leaves: dict, plan: Plan) -> dict:
+    """storage -> (tensor, version at the end of the forward) for the arguments and outputs
+    that replay reads."""
+    return {sid: (leaves[sid], leaves[sid]._version) for sid, src in plan.leaf_sources.items()
+            if src[0] in ("arg", "out") and sid in leaves}
 
 
 def _same_meta(t: torch.Tensor, pack) -> bool:

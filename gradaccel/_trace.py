@@ -33,6 +33,9 @@ _STATEFUL = {
     aten.native_batch_norm, aten._native_batch_norm_legit, aten._batch_norm_with_update,
     aten.cudnn_batch_norm, aten.miopen_batch_norm, aten._batch_norm_impl_index,
 }
+# Ops whose outputs depend on grad mode: replay runs under no_grad, where the RNN kernels
+# return no workspace. Their results are kept, never recomputed.
+_GRAD_MODE_DEPENDENT = {aten.mkldnn_rnn_layer, aten._cudnn_rnn, aten.miopen_rnn}
 # Ops whose results depend on data in a way a recorded constant would freeze (a Python scalar
 # read from a tensor, as `.item()` and `if tensor:` do, or a data-dependent shape): a trace with
 # one cannot be replayed on later calls. (Ints that only restate shapes, such as the sequence
@@ -174,11 +177,16 @@ class Graph:
         if any(tag in func.tags for tag in _DYNAMIC_TAGS):
             self.dynamic = True
         written = self._written_storages(func, args, kwargs)
-        replayable = func.overloadpacket not in _STATEFUL and all(self.storages[s].creator >= 0 for s in written)
+        replayable = (func.overloadpacket not in _STATEFUL and func.overloadpacket not in _GRAD_MODE_DEPENDENT
+                      and all(self.storages[s].creator >= 0 for s in written))
+        out_leaves, _ = tree_flatten(out)
+        if any(_lazy_bits(t) for t in (*leaves, *out_leaves)):
+            # A conjugate or negative view: replay sees storages, not these bits. Keep what such
+            # ops make, and leave later calls to torch.utils.checkpoint.
+            replayable, self.dynamic = False, True
         if random:
             reads.append(self.current(Graph.RNG))
             replayable = replayable and self.preserve_rng_state
-        out_leaves, _ = tree_flatten(out)
         known = {r.storage for r in refs if isinstance(r, Ref)}
         new_storages, nbytes = [], sum(_nbytes(r) for r in refs if isinstance(r, Ref))
         for i, o in enumerate(out_leaves):
@@ -210,6 +218,8 @@ class Graph:
         return written
 
     def add_pack(self, t: torch.Tensor) -> int:
+        if _lazy_bits(t):
+            self.dynamic = True
         pack = Pack(*self._view_of(t), node_kind(t))
         self.packs.append(pack)
         return pack.storage
@@ -264,6 +274,11 @@ class Graph:
         if sid == Graph.RNG:
             return vid == self.storages[sid].versions[0]
         return vid == self.storages[sid].versions[-1]
+
+
+def _lazy_bits(x) -> bool:
+    """A tensor whose conjugation or negation is a flag, not yet in its storage."""
+    return isinstance(x, torch.Tensor) and (x.is_conj() or x.is_neg())
 
 
 def node_kind(t: torch.Tensor):

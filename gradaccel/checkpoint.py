@@ -90,7 +90,8 @@ class _Region:
             _warn_once(("fits", self.name),
                        f"gradaccel.checkpoint: {self.name} keeps {plan.kept_bytes} bytes, over its budget of "
                        f"{plan.budget_bytes}: it saves tensors that cannot be recomputed (ops that update "
-                       "state, such as batch norm's running statistics). Raise the budget for this region.")
+                       "state, such as batch norm's running statistics, or RNN kernels). Raise the budget for "
+                       "this region.")
         return plan
 
 
@@ -120,16 +121,35 @@ def _owner(fn):
 _VALUE_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
+def _module_state(m: torch.nn.Module) -> tuple:
+    """What a trace of a module depends on beyond its inputs: each submodule's training flag, and
+    which parameters it holds (a replaced one must not be read from the old trace) and whether
+    each is frozen. Non-tensor attributes (``nn.Dropout.p``) are not covered: see reset_plans."""
+    state, stack = [], [m]
+    while stack:  # m.modules() and m.parameters() without their memo sets: a third of the time
+        sub = stack.pop()
+        state.append(sub.training)
+        state.extend((id(p), p.requires_grad) for p in sub._parameters.values() if p is not None)
+        stack.extend(child for child in sub._modules.values() if child is not None)
+    return tuple(state)
+
+
 def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
     # type(budget): 1 (one byte) and 1.0 (everything) are equal, and hash alike, in Python.
-    parts = [func, spec, type(budget), budget, preserve, getattr(owner, "training", None)]
+    parts = [func, spec, type(budget), budget, preserve]
+    if isinstance(owner, torch.nn.Module):
+        parts.append(_module_state(owner))
+    storages: dict = {}
     for x in flat:
         if isinstance(x, torch.Tensor):
-            parts.append((x.shape, x.dtype, x.device, x.requires_grad))
+            # Replay reads an argument's storage with the traced strides and offset, and two
+            # arguments that shared a storage in the trace are one storage there.
+            alias = storages.setdefault(x.untyped_storage()._cdata, len(storages))
+            parts.append((x.shape, x.stride(), x.storage_offset(), alias, x.dtype, x.device, x.requires_grad))
         elif isinstance(x, _VALUE_TYPES):
             parts.append((type(x), x))
         elif isinstance(x, torch.nn.Module):
-            parts.append((type(x), id(x), x.training))
+            parts.append((type(x), id(x), _module_state(x)))
         else:
             parts.append((type(x), id(x)))
     for kind in ("cpu", "cuda"):
@@ -305,7 +325,7 @@ def plan_rows() -> list[dict]:
         row = {"region": region.name, "signature": region.signature, "calls": region.calls,
                "budget": region.budget, "total_bytes": graph.activation_bytes}
         if plan is None:
-            row.update(mode="torch.utils.checkpoint (data-dependent region)")
+            row.update(mode="torch.utils.checkpoint (data-dependent region, or conjugate views)")
         else:
             kept = sorted({_producer_name(graph, p.storage) for k, p in enumerate(graph.packs)
                            if plan.keep[k] and graph.storages[p.storage].creator >= 0})

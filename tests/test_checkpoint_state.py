@@ -1,0 +1,137 @@
+"""What a trace depends on besides shapes: the arguments' layout and aliasing, the state of the
+modules it runs, and the tensors replay reads in backward. Each case against no checkpointing
+(bit-exact, on calls that trace and on calls that reuse the plan), or a clear error."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gradaccel
+from gradaccel.checkpoint import plan_rows, reset_plans
+
+BUDGETS = [0.25, 0.5, 300]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    reset_plans()
+    yield
+    reset_plans()
+
+
+def grads(fn, *inputs, params=()):
+    """fn's output and the gradients of ``inputs`` and ``params``."""
+    for t in (*inputs, *params):
+        t.grad = None
+    out = fn(*inputs)
+    out.square().sum().backward()
+    return [out.detach()] + [t.grad.clone() for t in (*inputs, *params)]
+
+
+def assert_equal(a, b):
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_same_shape_other_offset_layout_or_aliasing_is_another_plan(budget):
+    net = _mlp()
+    x = torch.randn(8, 8)
+    for mb in list(x.chunk(2)) * 2:  # micro-batches: one shape, two storage offsets
+        mb = mb.requires_grad_() if mb.is_leaf else mb.detach().requires_grad_()
+        assert_equal(grads(lambda t: gradaccel.checkpoint(net, t, budget=budget), mb, params=net.parameters()),
+                     grads(net, mb, params=net.parameters()))
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GELU(), nn.Conv2d(4, 2, 3))
+    for fmt in (torch.contiguous_format, torch.channels_last, torch.channels_last):
+        img = torch.randn(2, 3, 8, 8).to(memory_format=fmt).requires_grad_()
+        assert_equal(grads(lambda t: gradaccel.checkpoint(conv, t, budget=budget), img),
+                     grads(conv, img))
+
+    def attend(q, k):
+        return torch.softmax(q @ k.t(), -1) @ k
+
+    t = torch.randn(6, 8, requires_grad=True)
+    u = torch.randn(6, 8, requires_grad=True)
+    for a, b in ((t, t), (t, u), (t, u)):
+        assert_equal(grads(lambda p, q: gradaccel.checkpoint(attend, p, q, budget=budget), a, b),
+                     grads(attend, a, b))
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_submodule_mode_frozen_or_replaced_parameters_trace_again(budget):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    for change in (None, lambda: net[2].eval(), lambda: net[3].weight.requires_grad_(False),
+                   lambda: setattr(net[0], "weight", nn.Parameter(torch.randn(16, 8)))):
+        if change is not None:
+            change()
+        for _ in range(2):
+            torch.manual_seed(1)
+            ours = grads(lambda t: gradaccel.checkpoint(net, t, budget=budget), x)
+            torch.manual_seed(1)
+            assert_equal(ours, grads(net, x))
+    assert len(plan_rows()) == 4  # one plan per state, each used twice
+
+
+def test_argument_or_output_modified_after_the_forward_is_refused():
+    lin = nn.Linear(8, 8)
+
+    def region(x):
+        h = lin(x)
+        return h, h.tanh() * 2
+
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(2):  # the traced call and a planned one
+        h, y = gradaccel.checkpoint(region, x, budget=0.25)
+        h.add_(1)  # backward would rebuild tanh(h) from h: refused, never silently wrong
+        with pytest.raises(RuntimeError, match="modified in place after its forward"):
+            (y.sum() + h.sum()).backward()
+
+
+def test_conjugate_views_are_kept_not_rebuilt():
+    lin = nn.Linear(8, 16)
+
+    def region(x):
+        z = torch.view_as_complex(lin(x).view(4, 8, 2))
+        return torch.view_as_real(z.conj().exp() * z) * 3.0
+
+    x = torch.randn(4, 8, requires_grad=True)
+    for budget in (0.25, 1.0):
+        for _ in range(2):
+            assert_equal(grads(lambda t: gradaccel.checkpoint(region, t, budget=budget), x), grads(region, x))
+
+
+def test_lstm_kernel_outputs_are_kept():
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 8, batch_first=True)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+
+    def region(t):
+        return lstm(t)[0]
+
+    with pytest.warns(UserWarning, match="over its budget"):
+        ours = grads(lambda t: gradaccel.checkpoint(region, t, budget=0.5), x)
+    assert_equal(ours, grads(region, x))
+    assert_equal(grads(lambda t: gradaccel.checkpoint(region, t, budget=0.5), x), grads(region, x))
+
+
+def test_closure_region_that_changes_behaviour_fails_loudly():
+    lin1, lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def region(x):  # a closure: the modules it runs are not part of the signature
+        h = lin1(x)
+        return h * lin2(h.exp())
+
+    x = torch.randn(4, 8, requires_grad=True)
+    gradaccel.checkpoint(region, x, budget=0.75).sum().backward()
+    lin2.weight.requires_grad_(False)  # lin2 no longer saves h.exp(): the region saves other tensors
+    with pytest.warns(UserWarning, match="saved different tensors"):
+        out = gradaccel.checkpoint(region, x, budget=0.75)
+    with pytest.raises(RuntimeError, match="cannot be rebuilt"):
+        out.sum().backward()
+    assert_equal(grads(lambda t: gradaccel.checkpoint(region, t, budget=0.75), x), grads(region, x))  # traced again
