@@ -210,10 +210,13 @@ class TraceFrame(Frame):
                 self.leaves[sid] = self.flat[x]
             elif kind == "pack":
                 self.leaves[sid] = self.kept[x]
-        # Outputs are held by the caller: replay reads them, and what was dropped from them is
-        # taken back, from there.
+        # What was dropped before it turned out to be an output is taken back from the output,
+        # and replay may read outputs that autograd saved; others are not held (the caller may
+        # drop them: y = x + f(x)).
+        wanted = self.dropped | {s for s, src in self.plan.leaf_sources.items() if src[0] == "out"}
         for s, j in graph.outputs.items():
-            self.leaves.setdefault(s, outs[j].detach())
+            if s in wanted:
+                self.leaves.setdefault(s, outs[j].detach())
         self.versions = _versions(self.leaves, self.plan)
         self.flat = self.kept = None
         return True

@@ -185,8 +185,9 @@ def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
     packed = {p.storage for p in graph.packs}
     region = graph.activations
     candidates = region if dropped is None else sorted(dropped - set(graph.outputs))
-    available = [s.creator < 0 or i in graph.outputs or (i in packed and i not in candidates)
-                 for i, s in enumerate(storages)]
+    # Outputs count as available only where autograd saves them too (and so holds them): one the
+    # caller drops must not be held for replay (y = x + f(x) frees f's output).
+    available = [s.creator < 0 or (i in packed and i not in candidates) for i, s in enumerate(storages)]
     final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
     budget = 0 if dropped is not None else budget_bytes
     nbytes = [storages[s].nbytes for s in candidates]

@@ -2,12 +2,15 @@
 modules it runs, and the tensors replay reads in backward. Each case against no checkpointing
 (bit-exact, on calls that trace and on calls that reuse the plan), or a clear error."""
 
+import gc
+
 import pytest
 import torch
 import torch.nn as nn
 
 import gradaccel
 from gradaccel.checkpoint import plan_rows, reset_plans
+from gradaccel.measure import StorageLog
 
 BUDGETS = [0.25, 0.5, 300]
 
@@ -78,19 +81,56 @@ def test_submodule_mode_frozen_or_replaced_parameters_trace_again(budget):
     assert len(plan_rows()) == 4  # one plan per state, each used twice
 
 
-def test_argument_or_output_modified_after_the_forward_is_refused():
+def test_output_modified_after_the_forward_is_fine_and_a_modified_argument_is_refused():
     lin = nn.Linear(8, 8)
 
     def region(x):
         h = lin(x)
-        return h, h.tanh() * 2
+        return h, h.tanh() * 2  # nothing saves h: the caller may change it in place
 
-    x = torch.randn(4, 8, requires_grad=True)
+    def run(fn, x):
+        h, y = fn(x)
+        h.add_(1)
+        (y.sum() + h.square().sum()).backward()
+        return [t.grad.clone() for t in (x, *lin.parameters())]
+
     for _ in range(2):  # the traced call and a planned one
-        h, y = gradaccel.checkpoint(region, x, budget=0.25)
-        h.add_(1)  # backward would rebuild tanh(h) from h: refused, never silently wrong
+        for t in (x := torch.randn(4, 8, requires_grad=True), *lin.parameters()):
+            t.grad = None
+        ours = run(lambda t: gradaccel.checkpoint(region, t, budget=0.25), x)
+        for t in (x, *lin.parameters()):
+            t.grad = None
+        assert_equal(ours, run(region, x))
+
+    # An argument backward recomputes from: refused, as torch.utils.checkpoint refuses it.
+    b = nn.Parameter(torch.randn(8))
+
+    def shift(t):
+        return (t + b).tanh() * 2
+
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        y = gradaccel.checkpoint(shift, x, budget=0.25)
+        x.add_(1)
         with pytest.raises(RuntimeError, match="modified in place after its forward"):
-            (y.sum() + h.sum()).backward()
+            y.sum().backward()
+
+
+def test_an_output_the_caller_drops_is_not_held():
+    # y = x + f(x): f's output is freed after the add in plain autograd; replay must not hold it.
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 16), nn.GELU(), nn.Linear(16, 64))  # its output outweighs the rest
+    x = torch.randn(32, 64, requires_grad=True)
+    for budget in (0.25, 1024):
+        reset_plans()
+        for _ in range(3):
+            log = StorageLog()
+            with log:
+                y = x + gradaccel.checkpoint(mlp, x, budget=budget)
+            gc.collect()
+            alive = sum(nbytes for ref, nbytes in log.created.values() if not ref.expired())
+            assert alive - y.untyped_storage().nbytes() <= plan_rows()[0]["budget_bytes"]
+            y.sum().backward()
 
 
 def test_conjugate_views_are_kept_not_rebuilt():
