@@ -121,14 +121,17 @@ def _owner(fn):
 _VALUE_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
+_SCALARS = (int, float, bool, str)
+
+
 def _module_state(m: torch.nn.Module) -> tuple:
-    """What a trace of a module depends on beyond its inputs: each submodule's training flag, and
-    which parameters it holds (a replaced one must not be read from the old trace) and whether
-    each is frozen. Non-tensor attributes (``nn.Dropout.p``) are not covered: see reset_plans."""
+    """What a trace of a module depends on beyond its inputs: each submodule's training flag and
+    plain scalar attributes (``nn.Dropout.p``, ``eps``), and which parameters it holds (a
+    replaced one must not be read from the old trace) and whether each is frozen."""
     state, stack = [], [m]
     while stack:  # m.modules() and m.parameters() without their memo sets: a third of the time
         sub = stack.pop()
-        state.append(sub.training)
+        state.extend(v for v in sub.__dict__.values() if type(v) in _SCALARS)  # .training among them
         state.extend((id(p), p.requires_grad) for p in sub._parameters.values() if p is not None)
         stack.extend(child for child in sub._modules.values() if child is not None)
     return tuple(state)

@@ -65,11 +65,12 @@ def test_same_shape_other_offset_layout_or_aliasing_is_another_plan(budget):
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_submodule_mode_frozen_or_replaced_parameters_trace_again(budget):
+def test_submodule_mode_attributes_frozen_or_replaced_parameters_trace_again(budget):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 8))
     x = torch.randn(4, 8, requires_grad=True)
-    for change in (None, lambda: net[2].eval(), lambda: net[3].weight.requires_grad_(False),
+    for change in (None, lambda: setattr(net[2], "p", 0.5), lambda: net[2].eval(),
+                   lambda: net[3].weight.requires_grad_(False),
                    lambda: setattr(net[0], "weight", nn.Parameter(torch.randn(16, 8)))):
         if change is not None:
             change()
@@ -78,7 +79,7 @@ def test_submodule_mode_frozen_or_replaced_parameters_trace_again(budget):
             ours = grads(lambda t: gradaccel.checkpoint(net, t, budget=budget), x)
             torch.manual_seed(1)
             assert_equal(ours, grads(net, x))
-    assert len(plan_rows()) == 4  # one plan per state, each used twice
+    assert len(plan_rows()) == 5  # one plan per state, each used twice
 
 
 def test_output_modified_after_the_forward_is_fine_and_a_modified_argument_is_refused():

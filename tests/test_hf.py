@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from gradaccel.blocks import checkpoint_blocks  # noqa: E402
+from gradaccel.checkpoint import plan_rows  # noqa: E402
 
 VOCAB, SEQ = 64, 9
 
@@ -70,6 +71,8 @@ def test_loss_and_grads_match(arch, attn, budget):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
         a.backward(), b.backward()
         assert_grads_match(ref, model)
+    if budget:  # one plan per block, traced once and then reused: nothing in the signature moves
+        assert [r["calls"] for r in plan_rows()] == [2, 2]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
