@@ -172,8 +172,11 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
 
     Args:
         function: the region, e.g. a transformer block. Plans are cached per callable and input
-            signature (shapes, dtypes, autocast state, non-tensor arguments): pass a stable
-            callable (a module, a function), not a lambda made anew for every call.
+            signature (tensor shapes, dtypes, strides, offsets and aliasing; autocast state;
+            non-tensor arguments; a module's training flags, scalar attributes and parameters):
+            pass a stable callable (a module, a method of one), not a lambda made anew for
+            every call. A function's closure is not part of the signature: after changing what
+            it closes over, call :func:`reset_plans`.
         *args, **kwargs: passed to ``function``.
         budget: ``None`` or ``0.0``: keep nothing (``torch.utils.checkpoint``'s memory); a float
             in ``(0, 1]``: the fraction of the activation bytes the region holds without
