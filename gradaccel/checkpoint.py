@@ -137,11 +137,33 @@ def _module_state(m: torch.nn.Module) -> tuple:
     return tuple(state)
 
 
+def _closure_state(fn: types.FunctionType) -> tuple:
+    """For a plain function: the tensors and modules it closes over or names as globals, by
+    identity and state, so that a rebound tensor or a frozen layer is another trace."""
+    values = []
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            pass
+    names = fn.__globals__
+    values.extend(names[n] for n in fn.__code__.co_names if n in names)
+    state = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            state.append((id(v), v.requires_grad))
+        elif isinstance(v, torch.nn.Module):
+            state.append((id(v), _module_state(v)))
+    return tuple(state)
+
+
 def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
     # type(budget): 1 (one byte) and 1.0 (everything) are equal, and hash alike, in Python.
     parts = [func, spec, type(budget), budget, preserve]
     if isinstance(owner, torch.nn.Module):
         parts.append(_module_state(owner))
+    elif isinstance(owner, types.FunctionType):
+        parts.append(_closure_state(owner))
     storages: dict = {}
     for x in flat:
         if isinstance(x, torch.Tensor):
@@ -175,8 +197,8 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
             signature (tensor shapes, dtypes, strides, offsets and aliasing; autocast state;
             non-tensor arguments; a module's training flags, scalar attributes and parameters):
             pass a stable callable (a module, a method of one), not a lambda made anew for
-            every call. A function's closure is not part of the signature: after changing what
-            it closes over, call :func:`reset_plans`.
+            every call. A plain function's closure and global tensors and modules are part of
+            the signature; after changing state reached otherwise, call :func:`reset_plans`.
         *args, **kwargs: passed to ``function``.
         budget: ``None`` or ``0.0``: keep nothing (``torch.utils.checkpoint``'s memory); a float
             in ``(0, 1]``: the fraction of the activation bytes the region holds without

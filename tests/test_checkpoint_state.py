@@ -3,6 +3,7 @@ modules it runs, and the tensors replay reads in backward. Each case against no 
 (bit-exact, on calls that trace and on calls that reuse the plan), or a clear error."""
 
 import gc
+import types
 
 import pytest
 import torch
@@ -161,18 +162,29 @@ def test_lstm_kernel_outputs_are_kept():
     assert_equal(grads(lambda t: gradaccel.checkpoint(region, t, budget=0.5), x), grads(region, x))
 
 
-def test_closure_region_that_changes_behaviour_fails_loudly():
+def test_closure_state_is_part_of_the_signature_and_hidden_state_fails_loudly():
     lin1, lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
 
-    def region(x):  # a closure: the modules it runs are not part of the signature
+    def region(x):  # a closure over modules: their state is part of the signature
         h = lin1(x)
         return h * lin2(h.exp())
 
     x = torch.randn(4, 8, requires_grad=True)
-    gradaccel.checkpoint(region, x, budget=0.75).sum().backward()
-    lin2.weight.requires_grad_(False)  # lin2 no longer saves h.exp(): the region saves other tensors
+    for freeze in (False, True, True):
+        lin2.weight.requires_grad_(not freeze)  # frozen, lin2 no longer saves h.exp()
+        assert_equal(grads(lambda t: gradaccel.checkpoint(region, t, budget=0.75), x), grads(region, x))
+    assert sorted(r["calls"] for r in plan_rows()) == [1, 2]
+
+    holder = types.SimpleNamespace(lin=lin2)  # reached through a plain object: not seen
+
+    def hidden(x):
+        h = lin1(x)
+        return h * holder.lin(h.exp())
+
+    gradaccel.checkpoint(hidden, x, budget=0.75).sum().backward()
+    holder.lin.weight.requires_grad_(True)
     with pytest.warns(UserWarning, match="saved different tensors"):
-        out = gradaccel.checkpoint(region, x, budget=0.75)
+        out = gradaccel.checkpoint(hidden, x, budget=0.75)
     with pytest.raises(RuntimeError, match="cannot be rebuilt"):
         out.sum().backward()
-    assert_equal(grads(lambda t: gradaccel.checkpoint(region, t, budget=0.75), x), grads(region, x))  # traced again
+    assert_equal(grads(lambda t: gradaccel.checkpoint(hidden, t, budget=0.75), x), grads(hidden, x))  # traced again
