@@ -15,6 +15,25 @@ from gradaccel._plan import Plan, _view, make_plan
 from gradaccel._trace import Graph, Recorder, node_kind
 
 
+class Saved:
+    """A saved tensor the frame keeps, with the version autograd would check it against: the
+    pack hooks stand in for autograd's saved variables, and so for its in-place check."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t.detach()  # detached: the tensor itself would make a reference cycle
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{self.tensor.type()} {list(self.tensor.shape)}] is at version "
+                f"{self.tensor._version}; expected version {self.version} instead (gradaccel.checkpoint)")
+        return self.tensor
+
+
 class Frame:
     """Keeps or drops each saved tensor as the plan says; rebuilds dropped ones on unpack."""
 
@@ -36,19 +55,19 @@ class Frame:
         plan = self.plan
         if self.diverged or k >= len(plan.keep) or not _same_meta(t, plan.graph.packs[k]):
             self.diverged = True  # not what the trace saw: keep it, and everything after it
-            return t.detach()
+            return Saved(t)
         if plan.keep[k]:
-            kept = t.detach()  # detached: the tensor itself would make a reference cycle
+            kept = Saved(t)
             sid = self.pack_leaves.get(k)
             if sid is not None:
-                self.leaves[sid] = kept
+                self.leaves[sid] = kept.tensor
             return kept
         return k
 
     @torch._disable_dynamo
     def unpack(self, x):
         if type(x) is not int:
-            return x
+            return x.unpack()
         if self.results is None or x not in self.results:
             self._check_leaves()
             self.results = self.plan.replay(self.leaves, self.rng)
@@ -123,7 +142,7 @@ class OffloadFrame(Frame):
     @torch._disable_dynamo
     def unpack(self, x):
         if type(x) is not int:
-            return x
+            return x.unpack()
         if not self.prefetched:  # this region's copies, and the next region's (backward order)
             self.prefetched = True
             previous = self.previous() if self.previous is not None else None
@@ -181,6 +200,7 @@ class TraceFrame(Frame):
         self.leaves = {}
         self.results = None
         self.versions: dict = {}
+        self.taken_back: dict = {}  # output storage -> its version when the forward ended
 
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
@@ -193,8 +213,9 @@ class TraceFrame(Frame):
             if not lazy and graph.storages[sid].creator >= 0 and graph.recomputable(graph.current(sid)):
                 self.dropped.add(sid)
                 return k
-            self.kept[k] = t.detach()
-            return self.kept[k]
+            saved = Saved(t)
+            self.kept[k] = saved.tensor
+            return saved
         finally:
             self.recorder.paused = False
 
@@ -217,6 +238,7 @@ class TraceFrame(Frame):
         for s, j in graph.outputs.items():
             if s in wanted:
                 self.leaves.setdefault(s, outs[j].detach())
+                self.taken_back[s] = self.leaves[s]._version
         self.versions = _versions(self.leaves, self.plan)
         self.flat = self.kept = None
         return True
@@ -225,7 +247,13 @@ class TraceFrame(Frame):
     def unpack(self, x):
         if type(x) is int and self.plan.keep[x]:  # an output's storage, dropped before it was one
             p = self.graph.packs[x]
-            return _view(self.leaves[p.storage], p.size, p.stride, p.offset, p.dtype)
+            base = self.leaves[p.storage]
+            if base._version != self.taken_back.get(p.storage, base._version):
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: an output of the region [{list(base.shape)}] was modified after its forward "
+                    "(gradaccel.checkpoint)")
+            return _view(base, p.size, p.stride, p.offset, p.dtype)
         return super().unpack(x)
 
 

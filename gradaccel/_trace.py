@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -307,6 +308,22 @@ def _flops(func, args, kwargs, out) -> int:
         q, k = args[0], args[1]
         return 4 * q.numel() * k.shape[-2]
     return 0
+
+
+class DataReads(TorchFunctionMode):
+    """Flags the trace as data dependent where the region reads tensor data into Python without
+    an aten op (``tolist()``, ``numpy()``), which the Recorder cannot see. Only while tracing."""
+
+    _READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__})
+
+    def __init__(self, graph: Graph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._READS:
+            self.graph.dynamic = True
+        return func(*args, **(kwargs or {}))
 
 
 class Recorder(TorchDispatchMode):

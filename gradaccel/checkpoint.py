@@ -16,8 +16,10 @@ A region whose trace reads data into Python (``.item()``, data-dependent shapes)
 replayed from a trace: later calls use ``torch.utils.checkpoint`` (or keep all, if it fits).
 """
 
+import collections
 import functools
 import math
+import numbers
 import types
 import warnings
 import weakref
@@ -29,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel._frames import Frame, OffloadFrame, TraceFrame, store_for
 from gradaccel._plan import Plan, capture_rng, make_plan, offload_cost_per_byte, rng_bytes
-from gradaccel._trace import Graph
+from gradaccel._trace import DataReads, Graph
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
 
@@ -121,25 +123,41 @@ def _owner(fn):
 _VALUE_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
-_SCALARS = (int, float, bool, str)
+_PLAIN = frozenset({int, float, bool, str, complex})
+_NOT_PLAIN = frozenset({dict, collections.OrderedDict, set, list, type(None)})  # a module's own fields
+
+
+def _plain(v) -> bool:
+    """A value a trace freezes in as a constant: a Python or numpy number, a string, or a tuple
+    of those (``normalized_shape``). By exact type first: this runs on every call."""
+    t = type(v)
+    if t in _PLAIN:
+        return True
+    if t in _NOT_PLAIN:
+        return False
+    if t is tuple:
+        return all(type(e) in _PLAIN for e in v)
+    return t.__module__ == "numpy" and isinstance(v, numbers.Number)
 
 
 def _module_state(m: torch.nn.Module) -> tuple:
     """What a trace of a module depends on beyond its inputs: each submodule's training flag and
-    plain scalar attributes (``nn.Dropout.p``, ``eps``), and which parameters it holds (a
-    replaced one must not be read from the old trace) and whether each is frozen."""
+    plain attributes (``nn.Dropout.p``, ``eps``), and which parameters and buffers it holds (a
+    replaced one must not be read from the old trace) and which parameters are frozen.
+    Objects it reaches otherwise (a config object, a ``functools.partial``) are not covered."""
     state, stack = [], [m]
     while stack:  # m.modules() and m.parameters() without their memo sets: a third of the time
         sub = stack.pop()
-        state.extend(v for v in sub.__dict__.values() if type(v) in _SCALARS)  # .training among them
+        state.extend(v for v in sub.__dict__.values() if _plain(v))  # .training among them
         state.extend((id(p), p.requires_grad) for p in sub._parameters.values() if p is not None)
+        state.extend(id(b) for b in sub._buffers.values() if b is not None)
         stack.extend(child for child in sub._modules.values() if child is not None)
     return tuple(state)
 
 
 def _closure_state(fn: types.FunctionType) -> tuple:
-    """For a plain function: the tensors and modules it closes over or names as globals, by
-    identity and state, so that a rebound tensor or a frozen layer is another trace."""
+    """For a plain function: the tensors, modules and plain values it closes over or names as
+    globals, so that a rebound tensor, a frozen layer or a changed constant is another trace."""
     values = []
     for cell in fn.__closure__ or ():
         try:
@@ -154,6 +172,8 @@ def _closure_state(fn: types.FunctionType) -> tuple:
             state.append((id(v), v.requires_grad))
         elif isinstance(v, torch.nn.Module):
             state.append((id(v), _module_state(v)))
+        elif _plain(v):
+            state.append(v)
     return tuple(state)
 
 
@@ -273,7 +293,7 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
     rng = capture_rng(devices) if preserve_rng_state else None
     frame = TraceFrame(graph, flat, rng)
-    with saved_tensors_hooks(frame.pack, frame.unpack), frame.recorder:
+    with saved_tensors_hooks(frame.pack, frame.unpack), DataReads(graph), frame.recorder:
         out = fn(*args, **kwargs)
     frame.finish(out)
     name = _name(fn)

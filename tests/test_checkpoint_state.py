@@ -188,3 +188,65 @@ def test_closure_state_is_part_of_the_signature_and_hidden_state_fails_loudly():
     with pytest.raises(RuntimeError, match="cannot be rebuilt"):
         out.sum().backward()
     assert_equal(grads(lambda t: gradaccel.checkpoint(hidden, t, budget=0.75), x), grads(hidden, x))  # traced again
+
+
+SCALE = 1.0  # a global the region below reads: part of its signature
+
+
+def _scaled(t):
+    return (_LIN(t) * SCALE).sin()
+
+
+_LIN = nn.Linear(8, 8)
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("mask", torch.ones(8))
+        self.shape = (8,)
+
+    def forward(self, t):
+        return (self.lin(t) * self.mask).sin().reshape(-1, *self.shape)
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5])
+def test_globals_buffers_tuples_and_tolist_branches_are_seen(budget):
+    global SCALE
+    x = torch.randn(4, 8, requires_grad=True)
+    for SCALE in (1.0, 1.0, 2.0):  # a changed global constant: traced again
+        assert_equal(grads(lambda t: gradaccel.checkpoint(_scaled, t, budget=budget), x), grads(_scaled, x))
+    m = _Masked()
+    masks = [torch.ones(8), torch.full((8,), 2.0)]  # the old buffer stays alive
+    for mask, shape in ((masks[0], (8,)), (masks[1], (8,)), (masks[1], (2, 4))):
+        m.mask, m.shape = mask, shape
+        assert_equal(grads(lambda t: gradaccel.checkpoint(m, t, budget=budget), x), grads(m, x))
+
+    def branch(t):  # reads data into Python without an aten op: the region is data dependent
+        return (_LIN(t) * (3.0 if t[0, 0].tolist() > 0 else 2.0)).sin()
+
+    for sign in (1, -1, 1):
+        y = (sign * x.detach().abs()).requires_grad_()
+        assert_equal(grads(lambda t: gradaccel.checkpoint(branch, t, budget=budget), y), grads(branch, y))
+
+
+def test_a_kept_tensor_modified_after_the_forward_raises_as_in_autograd():
+    lin = nn.Linear(8, 8)
+
+    def region(x, y):
+        return (lin(x) * y).sin()  # mul saves y, an argument: kept
+
+    def ends_in_sigmoid(x):
+        return lin(x).sin().sigmoid()  # sigmoid saves its output, the region's output
+
+    for _ in range(2):  # the traced call and a planned one
+        x, y = torch.ones(4, 8, requires_grad=True), torch.ones(4, 8)
+        out = gradaccel.checkpoint(region, x, y, budget=1.0)
+        y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation|modified in place"):
+            out.sum().backward()
+        out = gradaccel.checkpoint(ends_in_sigmoid, x, budget=0.25)
+        out.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
