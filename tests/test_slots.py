@@ -1,0 +1,74 @@
+"""GradSlots (gradaccel/_slots.py): each parameter's slice of the flat buffer is laid out like
+the parameter, as autograd lays out .grad, so that optimizers, fused ones most of all, pair
+gradient and parameter element by element; and masters and their state are fp32."""
+
+import pytest
+import torch
+
+from gradaccel.optimizer import FusedAccumOptimizer
+
+
+class _Strided(torch.nn.Module):
+    """Parameters not laid out row-major: a channels_last conv weight and a transposed matrix."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.w = torch.nn.Parameter(torch.randn(5, 4).t())
+
+    def forward(self, x):
+        return (self.conv(x).mean((2, 3)) @ self.w).square().mean()
+
+
+FUSED = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_fused_optimizers_on_strided_parameters_bit_exact(name):
+    # Fused kernels pair .grad with the parameter element by element in memory: each slice of the
+    # buffer must be laid out like its parameter, as autograd lays out .grad.
+    model, ref = _Strided(), _Strided()
+    assert not model.conv.weight.is_contiguous() and not model.w.is_contiguous()
+    opt = FusedAccumOptimizer(FUSED[name](model.parameters()), 3)
+    ref_opt = FUSED[name](ref.parameters())
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        xs = [torch.randn(2, 3, 6, 6, generator=g) for _ in range(3)]
+        for k, x in enumerate(xs):
+            if k == 1:  # grads set by hand, row-major, take the other fold path (not the hook)
+                hand = [torch.randn(p.shape, generator=g) for p in model.parameters()]
+                for p, h in zip(model.parameters(), hand):
+                    p.grad = h.clone()
+            else:
+                model(x).backward()
+            opt.step()
+            opt.zero_grad()
+            if k == 1:
+                for q, h in zip(ref.parameters(), hand):
+                    q.grad += h
+            else:
+                ref(x).backward()
+        for p in ref.parameters():
+            p.grad.mul_(torch.tensor(1 / 3, dtype=torch.float32))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert p.stride() == q.stride() and torch.equal(p, q), name
+
+
+@pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")
+def test_adagrad_master_state_is_fp32_and_backward_with_create_graph_folds():
+    model = torch.nn.Linear(4, 3).bfloat16()
+    opt = FusedAccumOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), 2, master_weights=True)
+    assert {v.dtype for s in opt.state.values() for v in s.values() if v.is_floating_point()} == {torch.float32}
+    x = torch.randn(5, 4).bfloat16()
+    model(x).float().square().sum().backward(create_graph=True)  # stock allows it; the fold keeps values
+    assert all(p.grad is None for p in model.parameters())
+    model(x).float().square().sum().backward()
+    assert opt.step() is False and opt.step() is True
