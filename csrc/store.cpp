@@ -187,6 +187,7 @@ class ActivationStore : public torch::CustomClassHolder {
 
   c10::Dict<std::string, int64_t> stats() {
     std::lock_guard<std::mutex> lock(mu_);
+    drop_finished();
     const PoolStats p = pool_.stats();
     c10::Dict<std::string, int64_t> d;
     d.insert("handles", static_cast<int64_t>(entries_.size()));
@@ -226,6 +227,17 @@ class ActivationStore : public torch::CustomClassHolder {
     auto it = entries_.find(handle);
     TORCH_CHECK(it != entries_.end(), "ActivationStore: unknown or already released handle ", handle);
     return it->second;
+  }
+
+  // Finished copies (oldest first) leave the in-flight count; waits for none.
+  void drop_finished() {
+    while (!inflight_.empty()) {
+      const auto [handle, nbytes] = inflight_.front();
+      auto it = entries_.find(handle);
+      if (it != entries_.end() && !it->second.written.query()) break;
+      inflight_bytes_ -= nbytes;
+      inflight_.pop_front();
+    }
   }
 
   // The device memory of an offloaded tensor is free only once its copy is done. A forward that

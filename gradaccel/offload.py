@@ -383,7 +383,9 @@ def copy_bandwidth(device: str | torch.device) -> tuple[float, float]:
 def _measure_bandwidth(device: str) -> tuple[float, float]:
     cuda = device.startswith("cuda")
     nbytes = (64 if cuda else 16) << 20
-    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    # Not random data: this runs inside the user's step, whose random stream must not move
+    # (a copy's speed does not depend on the bytes).
+    x = torch.full((nbytes // 4,), 1.5, dtype=torch.float32, device=device)
     store = ActivationStore(pin_memory=cuda)
 
     def sync():
