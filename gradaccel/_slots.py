@@ -181,6 +181,25 @@ class GradSlots:
         # A grad permuted this way flattens in its slice's memory order (what fold_ writes).
         self._memory_order = [_memory_order(v) for v in self.views]
 
+    def rowmajor(self, copy: bool) -> torch.Tensor:
+        """The buffer with every slice in its parameter's row-major order: what a state dict
+        holds, so that it loads into a model of another memory layout. A copy if ``copy``, or
+        if a slice is laid out otherwise."""
+        if all(v.is_contiguous() for v in self.views):
+            return self.flat.clone() if copy else self.flat
+        out = torch.empty_like(self.flat)
+        for o, v in zip(self.offsets, self.views):
+            out[o: o + v.numel()].view(v.shape).copy_(v)
+        return out
+
+    def load_rowmajor(self, flat: torch.Tensor) -> None:
+        """Fills the buffer from :meth:`rowmajor`'s layout."""
+        if all(v.is_contiguous() for v in self.views):
+            self.flat.copy_(flat)
+            return
+        for o, v in zip(self.offsets, self.views):
+            v.copy_(flat[o: o + v.numel()].view(v.shape))
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
@@ -197,6 +216,9 @@ class GradSlots:
         """Folds grads that did not come through a hook (set by hand, or unfrozen later)."""
         now, start = self.clock
         late: dict[torch.dtype, tuple[list, list]] = {}
+        for p in self.params:  # checked before anything is cleared: a refusal loses no gradient
+            if p.grad is not None and p.grad.layout is not torch.strided:
+                raise RuntimeError("FusedAccumOptimizer: sparse gradients are not supported; use dense ones")
         for i, p in enumerate(self.params):
             g = p.grad
             if g is None:

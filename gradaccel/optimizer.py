@@ -328,11 +328,27 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             # A parameter with no gradient in the whole window keeps grad None, as in stock
             # PyTorch, so the inner optimizer skips it (no decay, no momentum).
             if t:
-                q.grad = v if q.dtype == torch.float32 else v.to(q.dtype)
+                g = v if q.dtype == torch.float32 else v.to(q.dtype)
+                if g.stride() != q.stride():  # re-laid out since adoption (model.to(channels_last))
+                    g = torch.empty_like(q).copy_(g)  # fused kernels pair elements by memory
+                q.grad = g
         self.optimizer.step()
         for q in slots.targets:
             q.grad = None  # the views alias the buffer; drop them so nothing is held between windows
         slots.write_back_masters()
+
+    def reset_window(self) -> None:
+        """Discards the window in progress: every gradient folded since the last update.
+
+        For a micro-batch whose backward failed halfway (out of memory, say): its gradients
+        are already in the buffer, mixed with the window's, and cannot be taken out alone.
+        ``zero_grad()`` leaves the window alone by design; this drops it. The next micro-batch
+        starts a new window.
+        """
+        for p in self._slots.params:
+            p.grad = None
+        self._slots.tick()  # what was folded so far belongs to no window
+        self._reset_window()
 
     def _reset_window(self) -> None:
         self._micro = 0
@@ -358,7 +374,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             "accum_steps": self.accum_steps,
             "normalize": self.normalize,
             "masters": [t if t is not p else None for p, t in zip(slots.params, slots.targets)],
-            "flat": slots.flat.clone() if self._micro else slots.flat,  # between windows: unread
+            "flat": slots.rowmajor(copy=self._micro > 0),  # between windows: unread, not copied
             "touched": slots.touched(),
             "micro": self._micro,
             "items": items,
@@ -398,7 +414,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                              "Resume with the same accum_steps (change it between windows)")
         self.optimizer.load_state_dict(sd)
         with torch.no_grad():
-            slots.flat.copy_(extra["flat"])
+            slots.load_rowmajor(extra["flat"])
             for p, t, m in zip(slots.params, slots.targets, extra["masters"]):
                 if m is not None:
                     t.copy_(m)

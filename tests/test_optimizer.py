@@ -515,3 +515,38 @@ def test_per_window_scheduler_steps_once_per_window():
     assert restored.last_epoch == 2
     with pytest.raises(ValueError, match="built on this FusedAccumOptimizer"):
         opt.per_window(torch.optim.lr_scheduler.StepLR(fresh, step_size=1))
+
+
+def test_reset_window_drops_a_failed_micro_batch_and_sparse_grads_lose_nothing():
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("out of memory, say")
+
+    model, ref = _mlp(), _mlp()
+    x, y = _data(4)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    assert opt.step() is False
+    with pytest.raises(RuntimeError, match="out of memory"):  # the last layer's grad is folded, then it fails
+        torch.nn.functional.mse_loss(model[2](Boom.apply(model[1](model[0](x)))), y).backward()
+    opt.reset_window()
+    assert opt.micro_step == 0
+    for _ in range(2):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        (torch.nn.functional.mse_loss(ref(x), y) / 2).backward()
+    ref_opt.step()
+    assert _max_diff(model, ref) < 1e-7
+    # A refused sparse grad set by hand: the other parameters' grads are not lost with it.
+    model[0].weight.grad = torch.ones_like(model[0].weight).to_sparse()
+    model[2].bias.grad = torch.ones_like(model[2].bias)
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert model[2].bias.grad is not None

@@ -72,3 +72,39 @@ def test_adagrad_master_state_is_fp32_and_backward_with_create_graph_folds():
     assert all(p.grad is None for p in model.parameters())
     model(x).float().square().sum().backward()
     assert opt.step() is False and opt.step() is True
+
+
+def test_layout_changed_after_wrapping_and_state_dict_across_layouts():
+    def conv(channels_last):
+        torch.manual_seed(0)
+        m = torch.nn.Conv2d(3, 4, 3)
+        return m.to(memory_format=torch.channels_last) if channels_last else m
+
+    xs = [torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+
+    def run(m, opt, batch):
+        for x in batch:
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    # Re-laid out after the optimizer was built: the update still pairs grad and parameter.
+    model, ref = conv(False), conv(True)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, fused=True), 1)
+    model.to(memory_format=torch.channels_last)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, fused=True)
+    run(model, opt, xs[:2])
+    run(ref, ref_opt, xs[:2])
+    assert torch.equal(model.weight, ref.weight)
+    # A window saved from a channels_last model resumes in a row-major one, and back.
+    for src_layout in (True, False):
+        a = conv(src_layout)
+        opt_a = FusedAccumOptimizer(torch.optim.SGD(a.parameters(), lr=0.1, foreach=True), 2)
+        run(a, opt_a, xs[:1])
+        state = opt_a.state_dict()
+        b = conv(not src_layout)
+        opt_b = FusedAccumOptimizer(torch.optim.SGD(b.parameters(), lr=0.1, foreach=True), 2)
+        opt_b.load_state_dict(state)
+        run(a, opt_a, xs[1:])
+        run(b, opt_b, xs[1:])
+        assert torch.equal(a.weight, b.weight)
