@@ -205,9 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         a.quick = a.device == "cpu"
     if a.threads is None and a.device == "cpu":
         a.threads = int(os.environ.get("GRADACCEL_BENCH_THREADS", "1"))
+    if a.threads is not None and a.threads < 0:
+        print(f"python -m bench: --threads must be >= 0 (0: torch's own choice), got {a.threads}", file=sys.stderr)
+        return 2
     if a.threads:
         torch.set_num_threads(a.threads)
-    a.out.mkdir(parents=True, exist_ok=True)
+    try:
+        a.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"python -m bench: cannot use --out {a.out}: {exc}", file=sys.stderr)
+        return 2
     report.remove_previous_plots(a.out)
 
     mode = "tiny" if a.tiny else "quick" if a.quick else "full"

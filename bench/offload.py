@@ -102,7 +102,6 @@ def _held_bytes(model, x, ctx, device: str, store: ActivationStore) -> dict[str,
 def run(device: str, quick: bool) -> list[dict]:
     """Rows for each case and variant: ``time`` and bytes held (see the module docstring)."""
     rows = []
-    cuda = device.startswith("cuda")
     configs = _configs(device, quick)
     for i, (case, cfg, batch) in enumerate(configs, 1):
         progress(case, i, len(configs))

@@ -330,7 +330,8 @@ std::tuple<at::Tensor, at::Tensor> finalize_cpu(const at::Tensor& flat, const at
   TORCH_CHECK(flat.is_contiguous(), "gradaccel.finalize_: flat must be contiguous");
   TORCH_CHECK(scale.device().is_cpu(), "gradaccel.finalize_: scale is on ", scale.device(),
               " but flat is on the CPU");
-  const float s = scale.item<float>();
+  // As float32, like the CUDA kernel: a double scale past float's range is inf there too.
+  const float s = static_cast<float>(scale.item<double>());
   const int64_t n = flat.numel();
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
   std::vector<double> sq(nchunks, 0.0);

@@ -149,18 +149,33 @@ def _find_by_type(model, block_types):
     return found
 
 
-def _find_largest_list(model):
-    best, best_key = None, None
+def _find_blocks(model):
+    """The blocks: the entries of every ``nn.ModuleList`` of one class, for the class whose
+    lists hold the most parameters (then the most entries). Every list of that class counts, so
+    a model in stages (a list of stages, each a list of blocks) has all its blocks found."""
+    lists, totals = [], {}
     for m in model.modules():
         if not isinstance(m, nn.ModuleList) or len(m) == 0:
             continue
-        if len({type(c) for c in m}) != 1:
+        kinds = {type(c) for c in m}
+        if len(kinds) != 1:
             continue
-        # Largest by parameter count, then length; ties keep the first, i.e. the outermost list.
-        key = (sum(p.numel() for p in m.parameters()), len(m))
-        if best_key is None or key > best_key:
-            best, best_key = m, key
-    return list(best) if best is not None else []
+        kind = kinds.pop()
+        if issubclass(kind, (nn.ModuleList, nn.ModuleDict)):
+            continue  # containers are never called: the blocks are inside them
+        lists.append((m, kind))
+        params, n = totals.get(kind, (0, 0))
+        totals[kind] = (params + sum(p.numel() for p in m.parameters()), n + len(m))
+    if not lists:
+        return []
+    kind = max(totals, key=totals.get)  # ties keep the first, i.e. the outermost
+    seen, blocks = set(), []
+    for m, k in lists:
+        for c in (m if k is kind else ()):
+            if id(c) not in seen:
+                seen.add(id(c))
+                blocks.append(c)
+    return blocks
 
 
 def checkpoint_blocks(model, budget=None, block_types=None):
@@ -180,10 +195,12 @@ def checkpoint_blocks(model, budget=None, block_types=None):
       module holding such models (a custom head around ``AutoModel``) gets the same treatment for
       each of them when ``block_types`` is None.
     - Any other model: every outermost module matching ``block_types``, or if that is None the
-      modules of the largest ``nn.ModuleList`` whose entries all have one class (largest by
-      parameter count). The block's class is swapped for a subclass whose ``forward`` is
-      checkpointed; its parameters and ``state_dict`` keys do not change, and module hooks run
-      outside the checkpointed region (once per step, not again during recompute).
+      entries of the ``nn.ModuleList`` objects whose entries all have one class, for the class
+      whose lists hold the most parameters (all of them: a model in stages has every block
+      found, inside its lists of lists). The block's class is swapped for a subclass whose
+      ``forward`` is checkpointed; its parameters and ``state_dict`` keys do not change, and
+      module hooks run outside the checkpointed region (once per step, not again during
+      recompute).
       ``state_dict()``, ``copy.deepcopy`` and ``torch.save(model)`` keep working.
 
     Calling it on a model that is already checkpointed (by this function, by Hugging Face's
@@ -235,7 +252,7 @@ def checkpoint_blocks(model, budget=None, block_types=None):
             for m in hf:
                 _hf_enable(m, budget)
             return model
-        blocks = _find_largest_list(model)
+        blocks = _find_blocks(model)
         if not blocks:
             raise ValueError(
                 f"checkpoint_blocks found no repeated blocks in {type(model).__name__} (no nn.ModuleList of "

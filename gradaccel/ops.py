@@ -13,6 +13,8 @@ what was refused. Eager CUDA calls go straight to the Triton launchers, skipping
 dispatcher's round trip through C++ and back to Python.
 """
 
+import numbers
+
 import torch
 
 from gradaccel import _ext
@@ -255,7 +257,7 @@ def _check_finalize(flat, scale) -> torch.Tensor:
     if not flat.is_contiguous():
         raise ValueError("finalize_: flat must be contiguous (the flat accumulation buffer)")
     if not isinstance(scale, torch.Tensor):
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
             raise TypeError(f"finalize_: scale must be a 0-d tensor or a number, got {type(scale).__name__}")
         scale = torch.tensor(float(scale), dtype=torch.float32, device=flat.device)
     if scale.dim() != 0 or not scale.is_floating_point():

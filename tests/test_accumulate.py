@@ -360,3 +360,6 @@ def test_finalize_scale_forms(device):
     assert torch.equal(flat, flat0 * f32(0.1))
     ops.finalize_(flat, 4)
     assert torch.equal(flat, flat0 * f32(0.1) * 4)
+    # A float64 scale past float32's range is inf as float32, as the Triton kernel applies it.
+    sumsq, nonfinite = ops.finalize_(flat, torch.tensor(1e300, dtype=torch.float64))
+    assert nonfinite.item() and torch.isinf(flat).all()

@@ -172,6 +172,15 @@ def test_cuda_refused_without_a_gpu(tmp_path, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
+def test_bad_threads_or_out_are_usage_errors(tmp_path, capsys):
+    assert cli.main(["--suite", "x", "--device", "cpu", "--threads", "-1", "--out", str(tmp_path)]) == 2
+    assert "--threads must be >= 0" in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert cli.main(["--suite", "x", "--device", "cpu", "--out", str(a_file)]) == 2
+    assert "cannot use --out" in capsys.readouterr().err
+
+
 def test_pick_baseline():
     assert report.pick_baseline(["torch", "torch-ckpt", "gradaccel"], None) == "torch"
     assert report.pick_baseline(["torch-ckpt", "gradaccel"], None) == "torch-ckpt"

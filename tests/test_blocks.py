@@ -325,3 +325,23 @@ def test_fsdp2_two_ranks():
 
 if __name__ == "__main__":
     _fsdp2_main()
+
+
+def test_blocks_in_stages_are_all_found():
+    # A list of stages, each a list of blocks: the outer list holds containers that are never
+    # called, so the blocks are the inner lists' entries, of every stage.
+    class Staged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.stages = nn.ModuleList([nn.ModuleList([Block(8, 0.0) for _ in range(2)]) for _ in range(2)])
+
+        def forward(self, x):
+            for stage in self.stages:
+                for block in stage:
+                    x = block(x)
+            return x
+
+    model = checkpoint_blocks(Staged())
+    assert [_is_checkpointed(b) for stage in model.stages for b in stage] == [True] * 4
+    assert not any(_is_checkpointed(stage) for stage in model.stages)
