@@ -238,7 +238,8 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
         What ``function`` returns.
 
     Raises:
-        ValueError: ``budget`` is negative, above 1.0 as a fraction, NaN, a bool or not a number.
+        ValueError: ``budget`` is negative, above 1.0 as a fraction, NaN, a bool or not a number;
+            ``offload`` is not a bool; ``host_budget`` is not None or an int >= 0.
     """
     budget = _check_budget(budget)
     if not isinstance(offload, bool):

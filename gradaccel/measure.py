@@ -1,4 +1,4 @@
-"""Exact activation-memory measurement on any device, by storage (see DESIGN.md, Measuring)."""
+"""Exact activation-memory measurement on any device, by storage (as bench/checkpoint.py uses it)."""
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef

@@ -175,6 +175,7 @@ def scale_accumulate_(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> to
     Raises:
         ValueError: ``acc`` not float32, ``grad`` of an integer or other dtype, shapes or devices
             that differ.
+        TypeError: ``acc`` or ``grad`` not a tensor.
         RuntimeError: ``acc`` with overlapping elements, or ``grad`` partially overlapping ``acc``.
     """
     _check_pair(acc, grad)
@@ -288,6 +289,7 @@ def finalize_(flat: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, to
 
     Raises:
         ValueError: ``flat`` not float32 or not contiguous, ``scale`` not a 0-d floating tensor.
+        TypeError: ``scale`` neither a tensor nor a real number.
     """
     scale = _check_finalize(flat, scale)
     if _finalize_op is None:
