@@ -97,6 +97,7 @@ class _Region:
         return plan
 
 
+MAX_PLANS = 64  # signatures (plans) kept per callable; the least recently used goes first
 _REGIONS = weakref.WeakKeyDictionary()  # owner (module or function) -> {signature: _Region}
 _ALL: list = []  # weak references to every region, in creation order, for plan_report()
 
@@ -145,13 +146,16 @@ def _module_state(m: torch.nn.Module) -> tuple:
     plain attributes (``nn.Dropout.p``, ``eps``), and which parameters and buffers it holds (a
     replaced one must not be read from the old trace) and which parameters are frozen.
     Objects it reaches otherwise (a config object, a ``functools.partial``) are not covered."""
-    state, stack = [], [m]
-    while stack:  # m.modules() and m.parameters() without their memo sets: a third of the time
+    state, stack, seen = [], [m], {id(m)}
+    while stack:  # m.modules() and m.parameters() without their generators: a third of the time
         sub = stack.pop()
         state.extend(v for v in sub.__dict__.values() if _plain(v))  # .training among them
         state.extend((id(p), p.requires_grad) for p in sub._parameters.values() if p is not None)
         state.extend(id(b) for b in sub._buffers.values() if b is not None)
-        stack.extend(child for child in sub._modules.values() if child is not None)
+        for child in sub._modules.values():
+            if child is not None and id(child) not in seen:  # shared submodules, cycles
+                seen.add(id(child))
+                stack.append(child)
     return tuple(state)
 
 
@@ -262,8 +266,9 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
         regions = {} if isinstance(owner, torch.Tensor) else _REGIONS.setdefault(owner, {})
     except TypeError:  # not weak-referenceable: trace every call (correct, slower)
         regions = {}
-    region = regions.get(key)
+    region = regions.pop(key, None)
     if region is not None:
+        regions[key] = region  # most recently used last: the cache drops from the front
         region.calls += 1
         if region.plan is None:
             return _run_dynamic(region, fn, args, kwargs, preserve_rng_state)
@@ -299,7 +304,15 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     frame.finish(out)
     name = _name(fn)
     region = _Region(name, graph, budget, flat, store)
+    regions.pop(key, None)
     regions[key] = region
+    if len(regions) > MAX_PLANS:  # a key that moves every call must not grow the cache without end
+        del regions[next(iter(regions))]
+        _warn_once(("retraced", name),
+                   f"gradaccel.checkpoint: {name} was traced for more than {MAX_PLANS} signatures, and each new "
+                   "one runs as a full recompute. Either it sees many input shapes (pad to a few lengths), or "
+                   "something it reads changes on every call (a new tensor it closes over, a counter attribute, "
+                   "a NaN): pass such tensors as arguments.")
     _ALL[:] = [r for r in _ALL if r() is not None] + [weakref.ref(region)]
     return out
 

@@ -3,6 +3,7 @@ modules it runs, and the tensors replay reads in backward. Each case against no 
 (bit-exact, on calls that trace and on calls that reuse the plan), or a clear error."""
 
 import gc
+import sys
 import types
 
 import pytest
@@ -250,3 +251,46 @@ def test_a_kept_tensor_modified_after_the_forward_raises_as_in_autograd():
         out.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
+
+
+def test_module_with_a_cycle_and_state_that_changes_every_call(monkeypatch):
+    class Child(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.child = Child()
+            self.child.parent = self  # a registered back-reference: a cycle among submodules
+
+        def forward(self, x):
+            return torch.tanh(self.child(x)).exp()
+
+    p = Parent()
+    x = torch.randn(4, 8, requires_grad=True)
+    for _ in range(2):
+        assert_equal(grads(lambda t: gradaccel.checkpoint(p, t, budget=0.5), x), grads(p, x))
+
+    # A new global tensor every call (kept alive elsewhere): traced again each time, and the
+    # cache stays bounded.
+    global _MASK
+    monkeypatch.setattr(sys.modules["gradaccel.checkpoint"], "MAX_PLANS", 3)
+    alive = []
+    with pytest.warns(UserWarning, match="traced for more than 3 signatures"):
+        for step in range(6):
+            _MASK = torch.full((4, 8), float(step))
+            alive.append(_MASK)
+            assert_equal(grads(lambda t: gradaccel.checkpoint(_masked, t, budget=0.5), x), grads(_masked, x))
+    assert len(sys.modules["gradaccel.checkpoint"]._REGIONS[_masked]) == 3
+
+
+_MASK = None
+
+
+def _masked(t):
+    return torch.tanh(_LIN(t) * _MASK).exp()
