@@ -200,7 +200,7 @@ class TraceFrame(Frame):
         self.leaves = {}
         self.results = None
         self.versions: dict = {}
-        self.taken_back: dict = {}  # output storage -> its version when the forward ended
+        self.taken_back: dict = {}  # output storage -> Saved, as the forward left it
 
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
@@ -238,7 +238,7 @@ class TraceFrame(Frame):
         for s, j in graph.outputs.items():
             if s in wanted:
                 self.leaves.setdefault(s, outs[j].detach())
-                self.taken_back[s] = self.leaves[s]._version
+                self.taken_back[s] = Saved(self.leaves[s])  # checked at unpack, like a kept tensor
         self.versions = _versions(self.leaves, self.plan)
         self.flat = self.kept = None
         return True
@@ -247,12 +247,8 @@ class TraceFrame(Frame):
     def unpack(self, x):
         if type(x) is int and self.plan.keep[x]:  # an output's storage, dropped before it was one
             p = self.graph.packs[x]
-            base = self.leaves[p.storage]
-            if base._version != self.taken_back.get(p.storage, base._version):
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: an output of the region [{list(base.shape)}] was modified after its forward "
-                    "(gradaccel.checkpoint)")
+            saved = self.taken_back.get(p.storage)
+            base = saved.unpack() if saved is not None else self.leaves[p.storage]
             return _view(base, p.size, p.stride, p.offset, p.dtype)
         return super().unpack(x)
 
