@@ -99,6 +99,7 @@ class GradSlots:
         self.frozen: list[torch.Tensor] = []    # requires_grad=False at adoption: no slice
         self.flat: torch.Tensor | None = None
         self._memory_order: list[list[int]] = []
+        self._rowmajor = True
         self._handles: list = []
         self._index: dict[int, int] = {}
 
@@ -180,12 +181,13 @@ class GradSlots:
         self.views[:] = [_slice_like(flat, o, p) for o, p in zip(offsets, self.params)]
         # A grad permuted this way flattens in its slice's memory order (what fold_ writes).
         self._memory_order = [_memory_order(v) for v in self.views]
+        self._rowmajor = all(v.is_contiguous() for v in self.views)  # state dicts copy as they are
 
     def rowmajor(self, copy: bool) -> torch.Tensor:
         """The buffer with every slice in its parameter's row-major order: what a state dict
         holds, so that it loads into a model of another memory layout. A copy if ``copy``, or
         if a slice is laid out otherwise."""
-        if all(v.is_contiguous() for v in self.views):
+        if self._rowmajor:
             return self.flat.clone() if copy else self.flat
         out = torch.empty_like(self.flat)
         for o, v in zip(self.offsets, self.views):
@@ -194,7 +196,7 @@ class GradSlots:
 
     def load_rowmajor(self, flat: torch.Tensor) -> None:
         """Fills the buffer from :meth:`rowmajor`'s layout."""
-        if all(v.is_contiguous() for v in self.views):
+        if self._rowmajor:
             self.flat.copy_(flat)
             return
         for o, v in zip(self.offsets, self.views):
