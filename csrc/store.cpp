@@ -233,7 +233,7 @@ class ActivationStore : public torch::CustomClassHolder {
   void drop_finished() {
     while (!inflight_.empty()) {
       const auto [handle, nbytes] = inflight_.front();
-      auto it = entries_.find(handle);
+      auto it = entries_.find(handle);  // a released entry's source is no longer ours to count
       if (it != entries_.end() && !it->second.written.query()) break;
       inflight_bytes_ -= nbytes;
       inflight_.pop_front();
@@ -244,17 +244,12 @@ class ActivationStore : public torch::CustomClassHolder {
   // runs ahead of the copies would hold it all; past max_inflight bytes of copies in flight,
   // the host waits for the oldest ones (copies on one stream finish in order).
   void throttle(std::size_t incoming) {
-    while (!inflight_.empty()) {
-      const auto [handle, nbytes] = inflight_.front();
-      auto it = entries_.find(handle);  // a released entry's source is no longer ours to count
-      const bool done = it == entries_.end() || it->second.written.query();
-      if (!done) {
-        if (inflight_bytes_ + incoming <= static_cast<std::size_t>(max_inflight_)) break;
-        it->second.written.synchronize();
-        ++throttled_;
-      }
-      inflight_bytes_ -= nbytes;
-      inflight_.pop_front();
+    drop_finished();
+    // The front copy is unfinished now (finished ones were dropped): wait for it while over.
+    while (!inflight_.empty() && inflight_bytes_ + incoming > static_cast<std::size_t>(max_inflight_)) {
+      entries_.at(inflight_.front().first).written.synchronize();
+      ++throttled_;
+      drop_finished();
     }
   }
 
