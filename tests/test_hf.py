@@ -52,6 +52,14 @@ def assert_grads_match(ref, model):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6 * scale, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def assert_same_step(ref, model, ids, seed=1):
+    """One training step of each gives the same loss, bit for bit, and matching gradients."""
+    a, b = lm_loss(ref, ids, seed), lm_loss(model, ids, seed)
+    torch.testing.assert_close(b, a, rtol=0, atol=0)
+    a.backward(), b.backward()
+    assert_grads_match(ref, model)
+
+
 ARCHS = ["llama", "gpt2"]
 ATTNS = ["eager", "sdpa"]
 
@@ -68,10 +76,7 @@ def test_loss_and_grads_match(arch, attn, budget):
     for seed in (1, 2):  # a second step on the same shapes, after any planning
         ids = torch.randint(1, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(seed))
         ref.zero_grad(), model.zero_grad()
-        a, b = lm_loss(ref, ids, seed), lm_loss(model, ids, seed)
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
-        a.backward(), b.backward()
-        assert_grads_match(ref, model)
+        assert_same_step(ref, model, ids, seed)
     if budget:  # one plan per block, traced once and then reused: nothing in the signature moves
         assert [r["calls"] for r in plan_rows()] == [2, 2]
 
@@ -130,10 +135,7 @@ def test_eval_train_and_generate_keep_working(arch):
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
     # Back to training after eval: still checkpointed and still exact.
     ref.train(), model.train()
-    a, b = lm_loss(ref, ids), lm_loss(model, ids)
-    a.backward(), b.backward()
-    torch.testing.assert_close(b, a, rtol=0, atol=0)
-    assert_grads_match(ref, model)
+    assert_same_step(ref, model, ids)
 
 
 def test_deleted_model_is_freed():
@@ -193,10 +195,7 @@ def test_pre_435_hook_is_handled_as_plain_model():
     ids = torch.randint(1, VOCAB, (2, SEQ))
     for _ in range(2):
         ref.zero_grad(), model.zero_grad()
-        a, b = lm_loss(ref, ids), lm_loss(model, ids)
-        a.backward(), b.backward()
-        torch.testing.assert_close(b, a, rtol=0, atol=0)
-        assert_grads_match(ref, model)
+        assert_same_step(ref, model, ids)
 
 
 def test_base_model_hook_used_when_only_the_head_is_old():
