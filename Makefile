@@ -38,10 +38,11 @@ $(VENV)/bin/python:
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q $(TORCH_CPU)
 
-# The package (editable) and its dependencies: redone when pyproject.toml, setup.py or the venv change.
+# The package (editable) and its dependencies: redone when pyproject.toml, setup.py or the venv
+# change. Without the extension: `install` builds that once, in place (see setup.py).
 $(STAMP): pyproject.toml setup.py $(VENV_PY)
 	@mkdir -p build
-	$(LOCK) $(PY) -m pip install -q --no-build-isolation $(PACKAGE)
+	GRADACCEL_SKIP_EXT=1 $(LOCK) $(PY) -m pip install -q --no-build-isolation $(PACKAGE)
 	@touch $(STAMP)
 
 test: install

@@ -62,7 +62,7 @@ def _triton():
     global _kernels
     if _kernels is None:
         try:
-            from triton_kernels import accumulate as kernels
+            from gradaccel.triton_kernels import accumulate as kernels
         except ImportError as exc:  # a CUDA machine without Triton: the CPU ops still work
             kernels = _MissingTriton(exc)
         _kernels = kernels

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradaccel import ops
-from triton_kernels import accumulate as kernels
+from gradaccel.triton_kernels import accumulate as kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # 2 * 4096 - 1: the last block of the largest kernel block is one element short.

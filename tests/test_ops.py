@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gradaccel import ops
-from triton_kernels import accumulate as kernels
+from gradaccel.triton_kernels import accumulate as kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -156,7 +156,7 @@ import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton_kernels import accumulate as k
+from gradaccel.triton_kernels import accumulate as k
 
 ALIGNED16 = [["tt.divisibility", 16]]
 def compile_ptx(fn, sig, consts, aligned_args, arch):
