@@ -217,3 +217,19 @@ def test_cuda_kernels_check_their_arguments(device):
     with pytest.raises(RuntimeError, match="overlaps"):
         ops._fold_triton(torch.zeros(8, device=device), [acc, acc], [0, 2], 1.0)
     assert torch.equal(acc, torch.zeros(4, device=device))
+
+
+# --- packaging --------------------------------------------------------------------------------
+
+def test_triton_kernels_install_under_gradaccel_not_top_level(tmp_path):
+    # Triton ships a distribution named `triton_kernels`: ours installs as gradaccel.triton_kernels,
+    # so neither shadows the other. Run outside the repository, where its folder is not on the path.
+    code = ("import importlib.util, gradaccel.triton_kernels.accumulate as k\n"
+            "spec = importlib.util.find_spec('triton_kernels')\n"
+            "print(k.__name__); print(spec.origin if spec else None)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    name, origin = out.stdout.split()
+    assert name == "gradaccel.triton_kernels.accumulate"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert origin == "None" or not origin.startswith(repo), origin
