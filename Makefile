@@ -69,7 +69,10 @@ cuda-check: install
 # and a copy of the working tree of their own, so this checkout's build stays as it is. torch
 # guesses CUDA_HOME from nvcc's path, where there is no libcudart: point it at the toolkit.
 COMPAT_VENV  ?= .venv-compat
-COMPAT_PINS  ?= torch==2.11.0 triton==3.6.0
+# numpy < 2.4: triton 3.6's interpreter turns a 1-element array into an int, which numpy 2.4
+# refuses ("only 0-dimensional arrays can be converted"), so every kernel with a loop over a
+# runtime bound fails interpreted. Compiled kernels never touch numpy; triton 3.7+ is fixed.
+COMPAT_PINS  ?= torch==2.11.0 triton==3.6.0 "numpy<2.4"
 COMPAT_DIR   := build/compat
 CUDA_HOME    ?= /usr/local/cuda
 compat:
