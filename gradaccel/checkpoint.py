@@ -79,7 +79,7 @@ class _Region:
         else:
             _warn_once(("fallback", name, graph.dynamic_reason),
                        f"gradaccel.checkpoint: {name} falls back to torch.utils.checkpoint (the whole region is "
-                       f"recomputed in backward, budget {budget!r} unused): its forward runs "
+                       f"recomputed in backward unless its budget holds all of it): its forward runs "
                        f"{_describe(graph.dynamic_reason)}, which depends on tensor values, so a trace of it cannot "
                        "be replayed. Move that op out of the checkpointed region to get a selective plan.")
 
@@ -366,15 +366,16 @@ def _name(fn) -> str:
     return getattr(fn, "__qualname__", type(fn).__name__)
 
 
-def checkpoint_sequential(functions, segments, input, budget=None, use_reentrant=None, preserve_rng_state=True):
-    """Same signature and results as ``torch.utils.checkpoint.checkpoint_sequential``, each
-    segment checkpointed with ``budget`` (the last segment, as in torch, is not checkpointed).
+def checkpoint_sequential(functions, segments, input, use_reentrant=None, *, budget=None, preserve_rng_state=True):
+    """Same signature and results as ``torch.utils.checkpoint.checkpoint_sequential`` (its
+    positional order: ``use_reentrant`` fourth), each segment checkpointed with ``budget``
+    (keyword-only; the last segment, as in torch, is not checkpointed).
 
     Args:
         functions: an ``nn.Sequential`` or a list of modules/functions, run in order.
         segments: how many chunks to split ``functions`` into.
         input: the input of the first function.
-        budget, use_reentrant, preserve_rng_state: as for :func:`checkpoint`.
+        use_reentrant, budget, preserve_rng_state: as for :func:`checkpoint`.
 
     Returns:
         The output of the last function.
