@@ -42,6 +42,9 @@ _GRAD_MODE_DEPENDENT = {aten.mkldnn_rnn_layer, aten._cudnn_rnn, aten.miopen_rnn}
 # one cannot be replayed on later calls. (Ints that only restate shapes, such as the sequence
 # lengths flash attention returns, are fine: shapes are part of the input signature.)
 _DYNAMIC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+# Ops tagged with a dynamic output shape that is static for integer indices: the output takes the
+# indices' shape, and replay reads the indices of the call it rebuilds (MoE routing, x[..., [-2]]).
+_INDEX_OPS = {aten.index, aten._unsafe_index}
 # Machine balance of the recompute cost model: one byte moved costs as much as this many FLOPs.
 FLOPS_PER_BYTE = {"cpu": 8.0, "cuda": 100.0}
 
@@ -107,6 +110,7 @@ class Graph:
         self.packs: list[Pack] = []
         self.outputs: dict[int, int] = {}  # storage -> index among flattened outputs
         self.dynamic = False
+        self.dynamic_reason = ""  # the first op (or Python read) that made the trace data dependent
         # Set by finish(): the region's activations (storage ids), their bytes, its devices.
         self.activations: list[int] = []
         self.activation_bytes = 0
@@ -175,8 +179,8 @@ class Graph:
         refs = [self.ref(x, meta_only) if isinstance(x, torch.Tensor) else x for x in leaves]
         reads = [r.value for r in refs if isinstance(r, Ref) and not r.meta_only]
         random = torch.Tag.nondeterministic_seeded in func.tags
-        if any(tag in func.tags for tag in _DYNAMIC_TAGS):
-            self.dynamic = True
+        if any(tag in func.tags for tag in _DYNAMIC_TAGS) and not _integer_index(func, args, kwargs):
+            self.mark_dynamic(str(func))
         written = self._written_storages(func, args, kwargs)
         replayable = (func.overloadpacket not in _STATEFUL and func.overloadpacket not in _GRAD_MODE_DEPENDENT
                       and all(self.storages[s].creator >= 0 for s in written))
@@ -184,7 +188,8 @@ class Graph:
         if any(_lazy_bits(t) for t in (*leaves, *out_leaves)):
             # A conjugate or negative view: replay sees storages, not these bits. Keep what such
             # ops make, and leave later calls to torch.utils.checkpoint.
-            replayable, self.dynamic = False, True
+            replayable = False
+            self.mark_dynamic(f"{func} (a conjugate or negative view)")
         if random:
             reads.append(self.current(Graph.RNG))
             replayable = replayable and self.preserve_rng_state
@@ -206,6 +211,12 @@ class Graph:
         cost = flops + balance * nbytes
         self.ops.append(Op(func, spec, refs, reads, new_storages, flops, cost, replayable, random))
 
+    def mark_dynamic(self, reason: str) -> None:
+        """Marks the trace as not replayable on later calls, because of ``reason`` (the first
+        one is what a fallback warning names)."""
+        if not self.dynamic:
+            self.dynamic, self.dynamic_reason = True, reason
+
     def _written_storages(self, func, args, kwargs) -> list[int]:
         written = []
         schema = func._schema
@@ -220,7 +231,7 @@ class Graph:
 
     def add_pack(self, t: torch.Tensor) -> int:
         if _lazy_bits(t):
-            self.dynamic = True
+            self.mark_dynamic("a saved conjugate or negative view")
         pack = Pack(*self._view_of(t), node_kind(t))
         self.packs.append(pack)
         return pack.storage
@@ -282,6 +293,16 @@ def _lazy_bits(x) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_conj() or x.is_neg())
 
 
+def _integer_index(func, args, kwargs) -> bool:
+    """An indexing op whose indices are all integer tensors (no boolean mask): its output shape
+    is the indices' shape, not data dependent."""
+    if func.overloadpacket not in _INDEX_OPS:
+        return False
+    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+    return all(i is None or (isinstance(i, torch.Tensor) and not i.dtype.is_floating_point
+                             and i.dtype not in (torch.bool, torch.uint8)) for i in indices)
+
+
 def node_kind(t: torch.Tensor):
     """The type of autograd node that produced ``t``. Views count as one kind: which view node
     reshape records differs with a dispatch mode active (``ViewBackward0`` under the tracer,
@@ -322,7 +343,7 @@ class DataReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self._READS:
-            self.graph.dynamic = True
+            self.graph.mark_dynamic(f"Tensor.{func.__name__}")
         return func(*args, **(kwargs or {}))
 
 

@@ -35,7 +35,10 @@ from gradaccel._trace import DataReads, Graph
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
 
-_TORCH_ONLY_KWARGS = ("context_fn", "determinism_check", "debug", "early_stop")
+# torch.utils.checkpoint's own options, with their defaults: a call that sets one to anything
+# else runs as torch.utils.checkpoint, which implements it (warned once).
+_TORCH_ONLY_KWARGS = {"context_fn": _tc.noop_context_fn, "determinism_check": "default", "debug": False,
+                      "early_stop": True}
 _warned: set = set()
 
 
@@ -73,6 +76,12 @@ class _Region:
         self.plan: Plan | None = None
         if not graph.dynamic:
             self.plan = self._plan()
+        else:
+            _warn_once(("fallback", name, graph.dynamic_reason),
+                       f"gradaccel.checkpoint: {name} falls back to torch.utils.checkpoint (the whole region is "
+                       f"recomputed in backward unless its budget holds all of it): its forward runs "
+                       f"{_describe(graph.dynamic_reason)}, which depends on tensor values, so a trace of it cannot "
+                       "be replayed. Move that op out of the checkpointed region to get a selective plan.")
 
     @property
     def budget_bytes(self) -> int:
@@ -95,6 +104,15 @@ class _Region:
                        "state, such as batch norm's running statistics, or RNN kernels). Raise the budget for "
                        "this region.")
         return plan
+
+
+def _describe(reason: str) -> str:
+    """The op that made a trace data dependent, with the Python that usually runs it."""
+    hints = {"aten._local_scalar_dense": "Tensor.item(), or a tensor used as a Python number or bool",
+             "aten.nonzero": "nonzero(), torch.where(mask) or boolean-mask indexing",
+             "aten.index.Tensor": "boolean-mask indexing"}
+    hint = next((h for op, h in hints.items() if reason.startswith(op)), None)
+    return f"{reason} ({hint})" if hint else reason
 
 
 MAX_PLANS = 64  # signatures (plans) kept per callable; the least recently used goes first
@@ -254,7 +272,13 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
         _warn_once("reentrant", "gradaccel.checkpoint: use_reentrant=True is not supported; "
                                 "the non-reentrant implementation is used.")
     torch_only = {k: kwargs.pop(k) for k in _TORCH_ONLY_KWARGS if k in kwargs}
-    if (budget == 0 and not offload) or torch_only or not torch.is_grad_enabled():
+    changed = sorted(k for k, v in torch_only.items() if v is not _TORCH_ONLY_KWARGS[k] and v != _TORCH_ONLY_KWARGS[k])
+    if changed and (budget != 0 or offload):
+        _warn_once(("torch_only", tuple(changed)),
+                   f"gradaccel.checkpoint: {', '.join(changed)} is an option of torch.utils.checkpoint only: the "
+                   "region runs as torch.utils.checkpoint (whole-region recompute, budget unused). Leave it at "
+                   "its default for a selective plan.")
+    if (budget == 0 and not offload) or changed or not torch.is_grad_enabled():
         return _tc.checkpoint(function, *args, use_reentrant=False,
                               preserve_rng_state=preserve_rng_state, **torch_only, **kwargs)
     fn, args, kwargs = _unwrap(function, args, kwargs)
@@ -342,15 +366,16 @@ def _name(fn) -> str:
     return getattr(fn, "__qualname__", type(fn).__name__)
 
 
-def checkpoint_sequential(functions, segments, input, budget=None, use_reentrant=None, preserve_rng_state=True):
-    """Same signature and results as ``torch.utils.checkpoint.checkpoint_sequential``, each
-    segment checkpointed with ``budget`` (the last segment, as in torch, is not checkpointed).
+def checkpoint_sequential(functions, segments, input, use_reentrant=None, *, budget=None, preserve_rng_state=True):
+    """Same signature and results as ``torch.utils.checkpoint.checkpoint_sequential`` (its
+    positional order: ``use_reentrant`` fourth), each segment checkpointed with ``budget``
+    (keyword-only; the last segment, as in torch, is not checkpointed).
 
     Args:
         functions: an ``nn.Sequential`` or a list of modules/functions, run in order.
         segments: how many chunks to split ``functions`` into.
         input: the input of the first function.
-        budget, use_reentrant, preserve_rng_state: as for :func:`checkpoint`.
+        use_reentrant, budget, preserve_rng_state: as for :func:`checkpoint`.
 
     Returns:
         The output of the last function.
@@ -387,7 +412,8 @@ def plan_rows() -> list[dict]:
         row = {"region": region.name, "signature": region.signature, "calls": region.calls,
                "budget": region.budget, "total_bytes": graph.activation_bytes}
         if plan is None:
-            row.update(mode="torch.utils.checkpoint (data-dependent region, or conjugate views)")
+            row.update(mode=f"torch.utils.checkpoint ({_describe(graph.dynamic_reason)})",
+                       fallback_reason=graph.dynamic_reason)
         else:
             kept = sorted({_producer_name(graph, p.storage) for k, p in enumerate(graph.packs)
                            if plan.keep[k] and graph.storages[p.storage].creator >= 0})
