@@ -21,22 +21,28 @@ from torch.utils.flop_counter import flop_registry
 
 aten = torch.ops.aten
 
+
+def _existing(*names: str) -> frozenset:
+    """The named aten op packets this torch build has: private ones come and go between releases,
+    and a missing one must not make `import gradaccel` fail (it cannot be traced either)."""
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
 # Ops that use only the metadata (size, stride, dtype, device) of their tensor argument: replay
 # feeds them an uninitialised stand-in, so e.g. dropout's `empty_like(x)` does not pull x in.
-_METADATA_ONLY = {
-    aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like,
-    aten.randn_like, aten.randint_like, aten.new_empty, aten.new_zeros, aten.new_ones,
-    aten.new_full, aten.new_empty_strided,
-}
+_METADATA_ONLY = _existing(
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided",
+)
 # Ops that update state they were not handed as mutable (batch norm's running statistics):
 # replaying one would update it twice, so their results are kept, never recomputed.
-_STATEFUL = {
-    aten.native_batch_norm, aten._native_batch_norm_legit, aten._batch_norm_with_update,
-    aten.cudnn_batch_norm, aten.miopen_batch_norm, aten._batch_norm_impl_index,
-}
+_STATEFUL = _existing(
+    "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "cudnn_batch_norm",
+    "miopen_batch_norm", "_batch_norm_impl_index",
+)
 # Ops whose outputs depend on grad mode: replay runs under no_grad, where the RNN kernels
 # return no workspace. Their results are kept, never recomputed.
-_GRAD_MODE_DEPENDENT = {aten.mkldnn_rnn_layer, aten._cudnn_rnn, aten.miopen_rnn}
+_GRAD_MODE_DEPENDENT = _existing("mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn")
 # Ops whose results depend on data in a way a recorded constant would freeze (a Python scalar
 # read from a tensor, as `.item()` and `if tensor:` do, or a data-dependent shape): a trace with
 # one cannot be replayed on later calls. (Ints that only restate shapes, such as the sequence
@@ -44,7 +50,7 @@ _GRAD_MODE_DEPENDENT = {aten.mkldnn_rnn_layer, aten._cudnn_rnn, aten.miopen_rnn}
 _DYNAMIC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 # Ops tagged with a dynamic output shape that is static for integer indices: the output takes the
 # indices' shape, and replay reads the indices of the call it rebuilds (MoE routing, x[..., [-2]]).
-_INDEX_OPS = {aten.index, aten._unsafe_index}
+_INDEX_OPS = _existing("index", "_unsafe_index")
 # Machine balance of the recompute cost model: one byte moved costs as much as this many FLOPs.
 FLOPS_PER_BYTE = {"cpu": 8.0, "cuda": 100.0}
 
@@ -324,7 +330,7 @@ def _flops(func, args, kwargs, out) -> int:
             return int(flop_registry[packet](*args, **kwargs, out_val=out))
         except Exception:  # an overload the counter does not know must not break the forward
             return 0
-    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
+    if packet is getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None):
         # Not in torch's flop registry: two batched matmuls, QK^T and PV.
         q, k = args[0], args[1]
         return 4 * q.numel() * k.shape[-2]
