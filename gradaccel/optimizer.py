@@ -15,7 +15,6 @@ import math
 import numbers
 import warnings
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -92,17 +91,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             raise ValueError("process_group was given but torch.distributed is not initialized; "
                              "call torch.distributed.init_process_group first")
 
-        # Optimizer.__init__ is not called: it would build param_groups of its own, and the
-        # contract is that the wrapper shares the inner optimizer's (see the properties below).
         self.optimizer = optimizer
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
-        self._warned_capturable_if_run_uncaptured = True
+        self.__dict__.update(_optimizer_internals())
+        self._patch_step_function()  # profiles and hooks this class's step(), as Optimizer.__init__ does
 
         self.accum_steps = accum_steps
         self.normalize = normalize
@@ -427,6 +418,26 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = extra["last_grad_norm"]
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+class _Probe(torch.optim.Optimizer):
+    pass
+
+
+_SHARED = frozenset({"param_groups", "state", "defaults"})
+
+
+def _optimizer_internals() -> dict[str, Any]:
+    """What ``torch.optim.Optimizer.__init__`` sets on an instance besides the attributes the
+    wrapper shares with its inner optimizer (hook dicts, flags), fresh from a real one.
+
+    Optimizer.__init__ itself is not called on the wrapper: it would build param_groups of its
+    own, and the contract is that the wrapper shares the inner optimizer's. Taking the rest from
+    an instance, not from a list written here, keeps hooks and profiling working when a torch
+    release adds an attribute.
+    """
+    probe = _Probe([torch.empty(0, requires_grad=True)], {})
+    return {k: v for k, v in vars(probe).items() if k not in _SHARED}
 
 
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:

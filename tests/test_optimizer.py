@@ -550,3 +550,32 @@ def test_reset_window_drops_a_failed_micro_batch_and_sparse_grads_lose_nothing()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert model[2].bias.grad is not None
+
+
+def test_optimizer_hooks_and_internals_are_torchs_own():
+    # The wrapper does not call Optimizer.__init__ (it shares the inner optimizer's param_groups):
+    # what __init__ sets besides those comes from a real Optimizer, so a torch release that
+    # adds an attribute does not break hooks or profiling on the wrapper.
+    model = torch.nn.Linear(3, 2)
+    stock = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    shared = {"param_groups", "state", "defaults"}
+    assert set(vars(stock)) - shared <= set(vars(opt)), set(vars(stock)) - shared - set(vars(opt))
+    calls = []
+    handles = [
+        opt.register_step_pre_hook(lambda o, a, k: calls.append("step_pre")),
+        opt.register_step_post_hook(lambda o, a, k: calls.append("step_post")),
+        opt.register_state_dict_pre_hook(lambda o: calls.append("sd_pre")),
+        opt.register_state_dict_post_hook(lambda o, sd: calls.append("sd_post")),
+        opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load_pre")),
+        opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post")),
+    ]
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["step_pre", "step_post", "sd_pre", "sd_post", "load_pre", "load_post"]
+    for h in handles:
+        h.remove()
+    with torch.profiler.profile() as prof:
+        opt.step()
+    assert any("FusedAccumOptimizer.step" in e.name for e in prof.events())
