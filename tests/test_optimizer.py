@@ -561,6 +561,7 @@ def test_optimizer_hooks_and_internals_are_torchs_own():
     opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
     shared = {"param_groups", "state", "defaults"}
     assert set(vars(stock)) - shared <= set(vars(opt)), set(vars(stock)) - shared - set(vars(opt))
+    assert not [k for p in model.parameters() for k in vars(p)]  # nothing written onto the user's Parameters
     calls = []
     handles = [
         opt.register_step_pre_hook(lambda o, a, k: calls.append("step_pre")),
