@@ -9,6 +9,7 @@ the trace; ``_OffloadFrame`` adds host memory. See gradaccel/checkpoint.py for t
 import weakref
 
 import torch
+import torch.utils.checkpoint as _tc
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
@@ -52,6 +53,10 @@ class Frame:
         self.results = None
         self.versions: dict = {}
         self.finished = False  # False while the forward runs: a backward then is inside it
+
+    def opaque(self, forward, args, kwargs, name):
+        """Runs a split-off submodule (see gradaccel/checkpoint.py) as its own checkpoint."""
+        return _tc.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
@@ -216,9 +221,22 @@ class TraceFrame(Frame):
         self.taken_back: dict = {}  # output storage -> Saved, as the forward left it
         self.finished = False
 
+    def opaque(self, forward, args, kwargs, name):
+        """A split-off submodule: run as its own checkpoint, unrecorded, and noted as one op."""
+        was, self.recorder.paused = self.recorder.paused, True
+        self.graph.in_opaque += 1
+        try:
+            out = _tc.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        finally:
+            self.recorder.paused = was
+            self.graph.in_opaque -= 1
+        if not was:
+            self.graph.record_opaque(name, args, kwargs, out)
+        return out
+
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
-        self.recorder.paused = True  # our own detach() is not part of the region
+        was, self.recorder.paused = self.recorder.paused, True  # our own detach() is not part of the region
         try:
             graph = self.graph
             sid = graph.add_pack(t)
@@ -231,7 +249,7 @@ class TraceFrame(Frame):
             self.kept[k] = saved.tensor
             return saved
         finally:
-            self.recorder.paused = False
+            self.recorder.paused = was
 
     def finish(self, out) -> bool:
         graph = self.graph

@@ -189,13 +189,64 @@ def test_blocks_get_a_selective_plan_and_the_same_gradients(model_type):
     assert any(r["replayed_ops"] for r in rows)  # the budget did drop something
 
 
-def test_eager_moe_experts_fall_back_loudly_and_stay_correct():
-    # Mixtral's eager experts loop over the experts `nonzero` picks: truly data dependent.
+def test_eager_moe_experts_are_split_off_and_the_rest_is_planned():
+    # Mixtral's eager experts loop over the experts `nonzero` picks: truly data dependent. That
+    # submodule alone runs as torch.utils.checkpoint; attention and routing keep a selective plan.
     reset_plans()
     ref = _model("mixtral", experts_implementation="eager")
     model = copy.deepcopy(ref)
     checkpoint_blocks(model, budget=0.5)
-    with pytest.warns(UserWarning, match="falls back to torch.utils.checkpoint") as caught:
-        _assert_same_steps(ref, model, _text)
-    assert any("aten.nonzero" in str(w.message) or "_local_scalar_dense" in str(w.message) for w in caught)
-    assert all(r["mode"].startswith("torch.utils.checkpoint") for r in plan_rows())
+    with pytest.warns(UserWarning, match="MixtralExperts runs .* torch.utils.checkpoint"):
+        _assert_same_steps(ref, model, _text, steps=3)
+    rows = plan_rows()
+    assert len(rows) == 2 and all(r["mode"] == "selective" and r["calls"] == 2 for r in rows)
+    assert all(r["split"] == [r["split"][0]] and r["split"][0].startswith("MixtralExperts") for r in rows)
+    assert all("aten.topk.default" in r["replayed_ops"] + r["kept_ops"] for r in rows)  # routing is planned
+
+
+class _EagerExperts(torch.nn.Module):
+    """Loops over the experts that `nonzero` finds hit, with dropout inside: data dependent."""
+
+    def __init__(self, d=8, experts=3):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(experts))
+
+    def forward(self, x, idx):
+        out = torch.zeros_like(x)
+        for e in (idx.bincount(minlength=len(self.experts)) > 0).nonzero().flatten().tolist():
+            rows = (idx == e).nonzero().flatten()
+            out = out.index_add(0, rows, torch.nn.functional.dropout(self.experts[e](x[rows]).tanh(), 0.2))
+        return out
+
+
+class _EagerBlock(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.router, self.up, self.moe = torch.nn.Linear(d, 3), torch.nn.Linear(d, d), _EagerExperts(d)
+
+    def forward(self, x):
+        h = self.up(x).sigmoid()
+        y = self.moe(h, self.router(h).argmax(-1))
+        return torch.nn.functional.dropout(y.exp() * h, 0.3) + x  # random ops after the split-off part too
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5])
+def test_a_data_dependent_submodule_is_split_off(budget):
+    reset_plans()
+    torch.manual_seed(0)
+    block = _EagerBlock()
+    params = list(block.parameters())
+    with pytest.warns(UserWarning, match="_EagerExperts runs"):
+        for step in range(4):  # trace (then split), trace again, then planned calls; routing moves
+            x = torch.randn(10, 8, requires_grad=True)
+            torch.manual_seed(step)
+            expected = torch.autograd.grad(block(x).sum(), [x, *params], allow_unused=True)
+            torch.manual_seed(step)
+            got = torch.autograd.grad(gradaccel.checkpoint(block, x, budget=budget).sum(), [x, *params],
+                                      allow_unused=True)
+            for g, e in zip(got, expected):
+                assert (g is None) == (e is None)
+                if e is not None:
+                    torch.testing.assert_close(g, e, rtol=0, atol=0)  # same kernels, same masks
+    (row,) = plan_rows()
+    assert row["mode"] == "selective" and row["calls"] == 3 and row["split"][0].startswith("_EagerExperts")
