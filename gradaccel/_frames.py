@@ -220,6 +220,7 @@ class TraceFrame(Frame):
         self.versions: dict = {}
         self.taken_back: dict = {}  # output storage -> Saved, as the forward left it
         self.finished = False
+        self.so_far = (None, None, None)  # (trace size, plan, leaves) for a backward inside the forward
 
     def opaque(self, forward, args, kwargs, name):
         """A split-off submodule: run as its own checkpoint, unrecorded, and noted as one op."""
@@ -279,18 +280,22 @@ class TraceFrame(Frame):
     def _unpack_in_forward(self, x):
         """A backward inside the forward (a gradient penalty, a nested checkpoint's early
         stop): rebuilds the dropped tensors saved so far from a plan of the trace so far."""
-        self.recorder.paused = True  # the replay is not part of the region
+        was, self.recorder.paused = self.recorder.paused, True  # the replay is not part of the region
         try:
-            plan = make_plan(self.graph, 0, dropped=self.dropped)
-            leaves = {}
-            for sid, (kind, i) in plan.leaf_sources.items():
-                if kind == "arg":
-                    leaves[sid] = self.flat[i]
-                elif kind == "pack":
-                    leaves[sid] = self.kept[i]
+            key = (len(self.graph.ops), len(self.graph.packs))  # the trace so far
+            if self.so_far[0] != key:
+                plan = make_plan(self.graph, 0, dropped=self.dropped)
+                leaves = {}
+                for sid, (kind, i) in plan.leaf_sources.items():
+                    if kind == "arg":
+                        leaves[sid] = self.flat[i]
+                    elif kind == "pack":
+                        leaves[sid] = self.kept[i]
+                self.so_far = (key, plan, leaves)
+            _, plan, leaves = self.so_far
             t = plan.replay(leaves, self.rng, packs=[x])[x]
         finally:
-            self.recorder.paused = False
+            self.recorder.paused = was
         # What the backward computes from it reads the saved tensor's storage, not a new one.
         sid = self.graph.packs[x].storage
         self.graph._live[t.untyped_storage()._cdata] = (StorageWeakRef(t.untyped_storage()), sid)

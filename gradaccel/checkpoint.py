@@ -13,7 +13,10 @@ How it works, per region (a callable) and input signature:
    tensors need, from kept tensors and inputs, and hands each one back.
 
 A region whose trace reads data into Python (``.item()``, data-dependent shapes) cannot be
-replayed from a trace: later calls use ``torch.utils.checkpoint`` (or keep all, if it fits).
+replayed from a trace. If that op ran in a submodule, the submodule is split off: it runs as its
+own ``torch.utils.checkpoint`` inside the region, which is traced again and planned. Otherwise
+later calls use ``torch.utils.checkpoint`` (or keep all, if it fits). Either is warned about,
+naming the op. A backward inside the forward (a gradient penalty) replays what it unpacks.
 """
 
 import collections
