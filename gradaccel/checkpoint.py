@@ -20,7 +20,6 @@ naming the op. A backward inside the forward (a gradient penalty) replays what i
 """
 
 import collections
-import contextlib
 import functools
 import math
 import numbers
@@ -35,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel._frames import Frame, OffloadFrame, TraceFrame, store_for
 from gradaccel._plan import Plan, capture_rng, make_plan, offload_cost_per_byte, rng_bytes
+from gradaccel._split import active, module_stack, split_off
 from gradaccel._trace import DataReads, Graph, Opaque
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
@@ -306,7 +306,7 @@ def _run_planned(region, regions, key, fn, args, kwargs, flat):
     rng = capture_rng(plan.graph.devices) if plan.needs_rng else None
     frame = Frame(plan, flat, rng) if region.store is None or not plan.offloaded else \
         OffloadFrame(plan, flat, rng, region.store)
-    with saved_tensors_hooks(frame.pack, frame.unpack), _active(frame):
+    with saved_tensors_hooks(frame.pack, frame.unpack), active(frame):
         out = fn(*args, **kwargs)
     if not frame.finish(out):
         regions.pop(key, None)
@@ -322,7 +322,7 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
     rng = capture_rng(devices) if preserve_rng_state else None
     frame = TraceFrame(graph, flat, rng)
-    with saved_tensors_hooks(frame.pack, frame.unpack), _active(frame), _module_stack(graph.module_stack), \
+    with saved_tensors_hooks(frame.pack, frame.unpack), active(frame), module_stack(graph.module_stack), \
             DataReads(graph), frame.recorder:
         out = fn(*args, **kwargs)
     frame.finish(out)
@@ -349,58 +349,14 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     return out
 
 
-# -- splitting off a data-dependent submodule --------------------------------------------------
-_ACTIVE: list = []  # the frames of the regions whose forward is running, innermost last
-
-
-@contextlib.contextmanager
-def _active(frame):
-    _ACTIVE.append(frame)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
-
-
-@contextlib.contextmanager
-def _module_stack(stack: list):
-    """Keeps ``stack`` as the modules whose forward is running (the trace only): it tells which
-    submodule ran a data-dependent op."""
-    def enter(module, args):
-        stack.append(module)
-
-    def leave(module, args, out):  # returns None: the output stays as it is
-        if stack and stack[-1] is module:
-            stack.pop()
-
-    pre = torch.nn.modules.module.register_module_forward_pre_hook(enter)
-    post = torch.nn.modules.module.register_module_forward_hook(leave)
-    try:
-        yield
-    finally:
-        pre.remove()
-        post.remove()
-
-
-def _opaque_forward(module, *args, **kwargs):
-    """The ``forward`` of a split-off submodule: inside a gradaccel region, it runs as its own
-    ``torch.utils.checkpoint``; anywhere else, as it is."""
-    forward = type(module).forward.__get__(module)
-    if not _ACTIVE or not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    return _ACTIVE[-1].opaque(forward, args, kwargs, module._gradaccel_opaque)
-
-
 def _split(region, owner) -> bool:
     """Where a data-dependent op ran in a submodule of the region (eager MoE experts' ``nonzero``),
     that submodule alone becomes its own ``torch.utils.checkpoint`` and the rest of the region
     gets a selective plan. Returns False where there is no such submodule (plain fallback)."""
     graph = region.graph
     sub = graph.dynamic_module() if graph.dynamic_module is not None else None
-    if not isinstance(sub, torch.nn.Module) or sub is owner or "_gradaccel_opaque" in sub.__dict__:
+    if not isinstance(sub, torch.nn.Module) or sub is owner or not split_off(sub, graph.dynamic_reason):
         return False
-    sub._gradaccel_opaque = f"{type(sub).__name__} as torch.utils.checkpoint ({graph.dynamic_reason})"
-    sub.forward = functools.partial(_opaque_forward, sub)
     _warn_once(("split", region.name, type(sub).__name__),
                f"gradaccel.checkpoint: {region.name}: {type(sub).__name__} runs {_describe(graph.dynamic_reason)}, "
                "which depends on tensor values: that submodule runs as torch.utils.checkpoint (recomputed whole "
