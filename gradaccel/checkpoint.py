@@ -99,8 +99,8 @@ class _Region:
             _warn_once(("fits", self.name),
                        f"gradaccel.checkpoint: {self.name} keeps {plan.kept_bytes} bytes, over its budget of "
                        f"{plan.budget_bytes}: it saves tensors that cannot be recomputed (ops that update "
-                       "state, such as batch norm's running statistics, RNN kernels, or a submodule split off as its own "
-                       "torch.utils.checkpoint, and random ops after it). Raise the budget for "
+                       "state, such as batch norm's running statistics, RNN kernels, or a submodule split off "
+                       "as its own torch.utils.checkpoint and random ops after it). Raise the budget for "
                        "this region.")
         return plan
 

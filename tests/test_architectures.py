@@ -79,7 +79,8 @@ def _text(g):
 
 
 def _seq2seq(g):
-    return {"input_ids": torch.randint(1, V, (B, S), generator=g), "decoder_input_ids": torch.randint(1, V, (B, S), generator=g)}
+    ids = torch.randint(1, V, (2 * B, S), generator=g)
+    return {"input_ids": ids[:B], "decoder_input_ids": ids[B:]}
 
 
 def _image(g):
@@ -91,7 +92,8 @@ def _wave(g):
 
 
 def _speech2text(g):
-    return {"input_features": torch.randn(B, 16, 40, generator=g), "decoder_input_ids": torch.randint(1, V, (B, S), generator=g)}
+    return {"input_features": torch.randn(B, 16, 40, generator=g),
+            "decoder_input_ids": torch.randint(1, V, (B, S), generator=g)}
 
 
 # family -> {model_type: (config overrides, inputs)}. `None` in overrides: no BASE (the config
@@ -114,9 +116,11 @@ ARCHITECTURES = {
                      "sliding_window": 4}, _text),
     },
     "state_space": {
-        "mamba": ({"state_size": 4}, _text), "mamba2": ({"state_size": 4, "num_heads": 8, "head_dim": 8, "n_groups": 1}, _text),
+        "mamba": ({"state_size": 4}, _text),
+        "mamba2": ({"state_size": 4, "num_heads": 8, "head_dim": 8, "n_groups": 1}, _text),
         "jamba": ({**MOE, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-                   "expert_layer_offset": 1, "mamba_d_state": 4, "mamba_dt_rank": 4, "use_mamba_kernels": False}, _text),
+                   "expert_layer_offset": 1, "mamba_d_state": 4, "mamba_dt_rank": 4,
+                   "use_mamba_kernels": False}, _text),
         "qwen3_next": ({**MOE, "shared_expert_intermediate_size": 16, "head_dim": 8, "linear_num_key_heads": 2,
                         "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
                         "layer_types": ["linear_attention", "full_attention"]}, _text),
@@ -131,12 +135,14 @@ ARCHITECTURES = {
         "bart": (SEQ2SEQ, _seq2seq),
     },
     "vision": {
-        "vit": ({"image_size": 32, "patch_size": 8}, _image), "dinov2": ({"image_size": 32, "patch_size": 8}, _image),
+        "vit": ({"image_size": 32, "patch_size": 8}, _image),
+        "dinov2": ({"image_size": 32, "patch_size": 8}, _image),
         "swin": (None, _image), "convnext": ({"hidden_sizes": [8, 16], "depths": [1, 1], "num_stages": 2}, _image),
     },
     "audio": {
         "wav2vec2": (CONV_AUDIO, _wave), "hubert": (CONV_AUDIO, _wave),
-        "whisper": ({**SEQ2SEQ, "num_mel_bins": 16, "max_source_positions": 20, "max_target_positions": 16}, _speech2text),
+        "whisper": ({**SEQ2SEQ, "num_mel_bins": 16, "max_source_positions": 20, "max_target_positions": 16},
+                    _speech2text),
     },
 }
 SWIN = dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)
