@@ -9,6 +9,7 @@ the trace; ``_OffloadFrame`` adds host memory. See gradaccel/checkpoint.py for t
 import weakref
 
 import torch
+import torch.utils.checkpoint as _tc
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
@@ -52,6 +53,10 @@ class Frame:
         self.results = None
         self.versions: dict = {}
         self.finished = False  # False while the forward runs: a backward then is inside it
+
+    def opaque(self, forward, args, kwargs, name):
+        """Runs a split-off submodule (see gradaccel/checkpoint.py) as its own checkpoint."""
+        return _tc.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
@@ -215,10 +220,24 @@ class TraceFrame(Frame):
         self.versions: dict = {}
         self.taken_back: dict = {}  # output storage -> Saved, as the forward left it
         self.finished = False
+        self.so_far = (None, None, None)  # (trace size, plan, leaves) for a backward inside the forward
+
+    def opaque(self, forward, args, kwargs, name):
+        """A split-off submodule: run as its own checkpoint, unrecorded, and noted as one op."""
+        was, self.recorder.paused = self.recorder.paused, True
+        self.graph.in_opaque += 1
+        try:
+            out = _tc.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        finally:
+            self.recorder.paused = was
+            self.graph.in_opaque -= 1
+        if not was:
+            self.graph.record_opaque(name, args, kwargs, out)
+        return out
 
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
-        self.recorder.paused = True  # our own detach() is not part of the region
+        was, self.recorder.paused = self.recorder.paused, True  # our own detach() is not part of the region
         try:
             graph = self.graph
             sid = graph.add_pack(t)
@@ -231,7 +250,7 @@ class TraceFrame(Frame):
             self.kept[k] = saved.tensor
             return saved
         finally:
-            self.recorder.paused = False
+            self.recorder.paused = was
 
     def finish(self, out) -> bool:
         graph = self.graph
@@ -261,18 +280,22 @@ class TraceFrame(Frame):
     def _unpack_in_forward(self, x):
         """A backward inside the forward (a gradient penalty, a nested checkpoint's early
         stop): rebuilds the dropped tensors saved so far from a plan of the trace so far."""
-        self.recorder.paused = True  # the replay is not part of the region
+        was, self.recorder.paused = self.recorder.paused, True  # the replay is not part of the region
         try:
-            plan = make_plan(self.graph, 0, dropped=self.dropped)
-            leaves = {}
-            for sid, (kind, i) in plan.leaf_sources.items():
-                if kind == "arg":
-                    leaves[sid] = self.flat[i]
-                elif kind == "pack":
-                    leaves[sid] = self.kept[i]
+            key = (len(self.graph.ops), len(self.graph.packs))  # the trace so far
+            if self.so_far[0] != key:
+                plan = make_plan(self.graph, 0, dropped=self.dropped)
+                leaves = {}
+                for sid, (kind, i) in plan.leaf_sources.items():
+                    if kind == "arg":
+                        leaves[sid] = self.flat[i]
+                    elif kind == "pack":
+                        leaves[sid] = self.kept[i]
+                self.so_far = (key, plan, leaves)
+            _, plan, leaves = self.so_far
             t = plan.replay(leaves, self.rng, packs=[x])[x]
         finally:
-            self.recorder.paused = False
+            self.recorder.paused = was
         # What the backward computes from it reads the saved tensor's storage, not a new one.
         sid = self.graph.packs[x].storage
         self.graph._live[t.untyped_storage()._cdata] = (StorageWeakRef(t.untyped_storage()), sid)

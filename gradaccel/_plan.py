@@ -73,13 +73,18 @@ class Plan:
             first.setdefault(p.storage, k)
         return {first[sid]: sid for sid, src in self.leaf_sources.items() if src[0] == "out" and sid in first}
 
+    @functools.cached_property
+    def _produced(self) -> dict:
+        """op id -> the values it makes (new storages and in-place writes)."""
+        produced: dict = {}
+        for vid, (_, op_id) in enumerate(self.graph.values):
+            produced.setdefault(op_id, []).append(vid)
+        return produced
+
     def steps_for(self, packs) -> list:
         """The replay steps that the saved tensors ``packs`` (pack indices) need, in order: a
         backward inside the forward rebuilds only those, from what the forward has made so far."""
-        graph = self.graph
-        produced: dict = {}
-        for vid, (_, op_id) in enumerate(graph.values):
-            produced.setdefault(op_id, []).append(vid)
+        graph, produced = self.graph, self._produced
         need = {graph.packs[k].value for k in packs}
         chosen = []
         for op_id in reversed(self.steps):

@@ -98,6 +98,16 @@ class Op:
 
 
 @dataclasses.dataclass(frozen=True)
+class Opaque:
+    """The ``func`` of an op recorded by :meth:`Graph.record_opaque`."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
 class Pack(View):
     """One tensor autograd saved for backward, in the order autograd saved them."""
 
@@ -117,6 +127,9 @@ class Graph:
         self.outputs: dict[int, int] = {}  # storage -> index among flattened outputs
         self.dynamic = False
         self.dynamic_reason = ""  # the first op (or Python read) that made the trace data dependent
+        self.dynamic_module = None  # weak reference to the innermost module that ran it
+        self.module_stack: list = []  # modules whose forward is running (kept by hooks while tracing)
+        self.in_opaque = 0  # > 0 inside a submodule that runs as its own torch.utils.checkpoint
         # Set by finish(): the region's activations (storage ids), their bytes, its devices.
         self.activations: list[int] = []
         self.activation_bytes = 0
@@ -222,6 +235,21 @@ class Graph:
         one is what a fallback warning names)."""
         if not self.dynamic:
             self.dynamic, self.dynamic_reason = True, reason
+            if self.module_stack:
+                self.dynamic_module = weakref.ref(self.module_stack[-1])
+
+    def record_opaque(self, name: str, args, kwargs, out) -> None:
+        """Records a submodule call that ran as its own ``torch.utils.checkpoint`` as one op that
+        replay never runs: what it makes (and anything after it that reads the generator) is
+        kept where the plan needs it, like a stateful op's results."""
+        op_id = len(self.ops)
+        leaves, spec = tree_flatten((args, kwargs))
+        refs = [self.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        reads = [r.value for r in refs if isinstance(r, Ref)] + [self.current(Graph.RNG)]
+        new_storages = [(self._created(o, op_id), i) for i, o in enumerate(tree_flatten(out)[0])
+                        if isinstance(o, torch.Tensor)]
+        self._new_value(Graph.RNG, op_id)  # it may have drawn random numbers
+        self.ops.append(Op(Opaque(name), spec, refs, reads, new_storages, 0, 0.0, False, True))
 
     def _written_storages(self, func, args, kwargs) -> list[int]:
         written = []
@@ -348,7 +376,7 @@ class DataReads(TorchFunctionMode):
         self.graph = graph
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self._READS:
+        if func in self._READS and not self.graph.in_opaque:
             self.graph.mark_dynamic(f"Tensor.{func.__name__}")
         return func(*args, **(kwargs or {}))
 

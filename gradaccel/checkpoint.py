@@ -13,7 +13,10 @@ How it works, per region (a callable) and input signature:
    tensors need, from kept tensors and inputs, and hands each one back.
 
 A region whose trace reads data into Python (``.item()``, data-dependent shapes) cannot be
-replayed from a trace: later calls use ``torch.utils.checkpoint`` (or keep all, if it fits).
+replayed from a trace. If that op ran in a submodule, the submodule is split off: it runs as its
+own ``torch.utils.checkpoint`` inside the region, which is traced again and planned. Otherwise
+later calls use ``torch.utils.checkpoint`` (or keep all, if it fits). Either is warned about,
+naming the op. A backward inside the forward (a gradient penalty) replays what it unpacks.
 """
 
 import collections
@@ -31,7 +34,8 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel._frames import Frame, OffloadFrame, TraceFrame, store_for
 from gradaccel._plan import Plan, capture_rng, make_plan, offload_cost_per_byte, rng_bytes
-from gradaccel._trace import DataReads, Graph
+from gradaccel._split import active, module_stack, split_off
+from gradaccel._trace import DataReads, Graph, Opaque
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
 
@@ -76,12 +80,6 @@ class _Region:
         self.plan: Plan | None = None
         if not graph.dynamic:
             self.plan = self._plan()
-        else:
-            _warn_once(("fallback", name, graph.dynamic_reason),
-                       f"gradaccel.checkpoint: {name} falls back to torch.utils.checkpoint (the whole region is "
-                       f"recomputed in backward unless its budget holds all of it): its forward runs "
-                       f"{_describe(graph.dynamic_reason)}, which depends on tensor values, so a trace of it cannot "
-                       "be replayed. Move that op out of the checkpointed region to get a selective plan.")
 
     @property
     def budget_bytes(self) -> int:
@@ -101,7 +99,8 @@ class _Region:
             _warn_once(("fits", self.name),
                        f"gradaccel.checkpoint: {self.name} keeps {plan.kept_bytes} bytes, over its budget of "
                        f"{plan.budget_bytes}: it saves tensors that cannot be recomputed (ops that update "
-                       "state, such as batch norm's running statistics, or RNN kernels). Raise the budget for "
+                       "state, such as batch norm's running statistics, RNN kernels, or a submodule split off "
+                       "as its own torch.utils.checkpoint and random ops after it). Raise the budget for "
                        "this region.")
         return plan
 
@@ -307,7 +306,7 @@ def _run_planned(region, regions, key, fn, args, kwargs, flat):
     rng = capture_rng(plan.graph.devices) if plan.needs_rng else None
     frame = Frame(plan, flat, rng) if region.store is None or not plan.offloaded else \
         OffloadFrame(plan, flat, rng, region.store)
-    with saved_tensors_hooks(frame.pack, frame.unpack):
+    with saved_tensors_hooks(frame.pack, frame.unpack), active(frame):
         out = fn(*args, **kwargs)
     if not frame.finish(out):
         regions.pop(key, None)
@@ -323,12 +322,21 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
     rng = capture_rng(devices) if preserve_rng_state else None
     frame = TraceFrame(graph, flat, rng)
-    with saved_tensors_hooks(frame.pack, frame.unpack), DataReads(graph), frame.recorder:
+    with saved_tensors_hooks(frame.pack, frame.unpack), active(frame), module_stack(graph.module_stack), \
+            DataReads(graph), frame.recorder:
         out = fn(*args, **kwargs)
     frame.finish(out)
     name = _name(fn)
     region = _Region(name, graph, budget, flat, store)
     regions.pop(key, None)
+    if graph.dynamic:
+        if _split(region, owner=_owner(fn)[0]):
+            return out  # traced again, with the submodule split off, on the next call
+        _warn_once(("fallback", name, graph.dynamic_reason),
+                   f"gradaccel.checkpoint: {name} falls back to torch.utils.checkpoint (the whole region is "
+                   f"recomputed in backward unless its budget holds all of it): its forward runs "
+                   f"{_describe(graph.dynamic_reason)}, which depends on tensor values, so a trace of it cannot "
+                   "be replayed. Move that op out of the checkpointed region to get a selective plan.")
     regions[key] = region
     if len(regions) > MAX_PLANS:  # a key that moves every call must not grow the cache without end
         del regions[next(iter(regions))]
@@ -339,6 +347,21 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
                    "a NaN): pass such tensors as arguments.")
     _ALL[:] = [r for r in _ALL if r() is not None] + [weakref.ref(region)]
     return out
+
+
+def _split(region, owner) -> bool:
+    """Where a data-dependent op ran in a submodule of the region (eager MoE experts' ``nonzero``),
+    that submodule alone becomes its own ``torch.utils.checkpoint`` and the rest of the region
+    gets a selective plan. Returns False where there is no such submodule (plain fallback)."""
+    graph = region.graph
+    sub = graph.dynamic_module() if graph.dynamic_module is not None else None
+    if not isinstance(sub, torch.nn.Module) or sub is owner or not split_off(sub, graph.dynamic_reason):
+        return False
+    _warn_once(("split", region.name, type(sub).__name__),
+               f"gradaccel.checkpoint: {region.name}: {type(sub).__name__} runs {_describe(graph.dynamic_reason)}, "
+               "which depends on tensor values: that submodule runs as torch.utils.checkpoint (recomputed whole "
+               "in backward) and the rest of the region gets a selective plan from its next call.")
+    return True
 
 
 def _run_dynamic(region, fn, args, kwargs, preserve_rng_state):
@@ -421,7 +444,8 @@ def plan_rows() -> list[dict]:
                        kept_ops=kept, replayed_ops=[str(graph.ops[i].func) for i in plan.steps],
                        offloaded_ops=sorted({_producer_name(graph, s) for s in plan.offloaded}),
                        offloaded_bytes=plan.offloaded_bytes,
-                       recompute_flops=plan.recompute_flops, exact=plan.exact, fits=plan.fits)
+                       recompute_flops=plan.recompute_flops, exact=plan.exact, fits=plan.fits,
+                       split=[str(op.func) for op in graph.ops if isinstance(op.func, Opaque)])
         rows.append(row)
     return rows
 
@@ -444,6 +468,8 @@ def plan_report() -> str:
                      f"{r['recompute_flops'] / 1e9:>15.4f}  {'yes' if r['exact'] else 'no'}")
         lines.append(f"    kept:     {', '.join(r['kept_ops']) or '-'}")
         lines.append(f"    replayed: {', '.join(r['replayed_ops']) or '-'}")
+        if r["split"]:
+            lines.append(f"    split:    {', '.join(r['split'])}")
         if r["offloaded_ops"]:
             lines.append(f"    offloaded ({r['offloaded_bytes'] * mib:.2f} MiB to host): {', '.join(r['offloaded_ops'])}")
     return "\n".join(lines)

@@ -79,7 +79,8 @@ def _text(g):
 
 
 def _seq2seq(g):
-    return {"input_ids": torch.randint(1, V, (B, S), generator=g), "decoder_input_ids": torch.randint(1, V, (B, S), generator=g)}
+    ids = torch.randint(1, V, (2 * B, S), generator=g)
+    return {"input_ids": ids[:B], "decoder_input_ids": ids[B:]}
 
 
 def _image(g):
@@ -91,7 +92,8 @@ def _wave(g):
 
 
 def _speech2text(g):
-    return {"input_features": torch.randn(B, 16, 40, generator=g), "decoder_input_ids": torch.randint(1, V, (B, S), generator=g)}
+    return {"input_features": torch.randn(B, 16, 40, generator=g),
+            "decoder_input_ids": torch.randint(1, V, (B, S), generator=g)}
 
 
 # family -> {model_type: (config overrides, inputs)}. `None` in overrides: no BASE (the config
@@ -114,9 +116,11 @@ ARCHITECTURES = {
                      "sliding_window": 4}, _text),
     },
     "state_space": {
-        "mamba": ({"state_size": 4}, _text), "mamba2": ({"state_size": 4, "num_heads": 8, "head_dim": 8, "n_groups": 1}, _text),
+        "mamba": ({"state_size": 4}, _text),
+        "mamba2": ({"state_size": 4, "num_heads": 8, "head_dim": 8, "n_groups": 1}, _text),
         "jamba": ({**MOE, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-                   "expert_layer_offset": 1, "mamba_d_state": 4, "mamba_dt_rank": 4, "use_mamba_kernels": False}, _text),
+                   "expert_layer_offset": 1, "mamba_d_state": 4, "mamba_dt_rank": 4,
+                   "use_mamba_kernels": False}, _text),
         "qwen3_next": ({**MOE, "shared_expert_intermediate_size": 16, "head_dim": 8, "linear_num_key_heads": 2,
                         "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
                         "layer_types": ["linear_attention", "full_attention"]}, _text),
@@ -131,12 +135,14 @@ ARCHITECTURES = {
         "bart": (SEQ2SEQ, _seq2seq),
     },
     "vision": {
-        "vit": ({"image_size": 32, "patch_size": 8}, _image), "dinov2": ({"image_size": 32, "patch_size": 8}, _image),
+        "vit": ({"image_size": 32, "patch_size": 8}, _image),
+        "dinov2": ({"image_size": 32, "patch_size": 8}, _image),
         "swin": (None, _image), "convnext": ({"hidden_sizes": [8, 16], "depths": [1, 1], "num_stages": 2}, _image),
     },
     "audio": {
         "wav2vec2": (CONV_AUDIO, _wave), "hubert": (CONV_AUDIO, _wave),
-        "whisper": ({**SEQ2SEQ, "num_mel_bins": 16, "max_source_positions": 20, "max_target_positions": 16}, _speech2text),
+        "whisper": ({**SEQ2SEQ, "num_mel_bins": 16, "max_source_positions": 20, "max_target_positions": 16},
+                    _speech2text),
     },
 }
 SWIN = dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)
@@ -189,13 +195,64 @@ def test_blocks_get_a_selective_plan_and_the_same_gradients(model_type):
     assert any(r["replayed_ops"] for r in rows)  # the budget did drop something
 
 
-def test_eager_moe_experts_fall_back_loudly_and_stay_correct():
-    # Mixtral's eager experts loop over the experts `nonzero` picks: truly data dependent.
+def test_eager_moe_experts_are_split_off_and_the_rest_is_planned():
+    # Mixtral's eager experts loop over the experts `nonzero` picks: truly data dependent. That
+    # submodule alone runs as torch.utils.checkpoint; attention and routing keep a selective plan.
     reset_plans()
     ref = _model("mixtral", experts_implementation="eager")
     model = copy.deepcopy(ref)
     checkpoint_blocks(model, budget=0.5)
-    with pytest.warns(UserWarning, match="falls back to torch.utils.checkpoint") as caught:
-        _assert_same_steps(ref, model, _text)
-    assert any("aten.nonzero" in str(w.message) or "_local_scalar_dense" in str(w.message) for w in caught)
-    assert all(r["mode"].startswith("torch.utils.checkpoint") for r in plan_rows())
+    with pytest.warns(UserWarning, match="MixtralExperts runs .* torch.utils.checkpoint"):
+        _assert_same_steps(ref, model, _text, steps=3)
+    rows = plan_rows()
+    assert len(rows) == 2 and all(r["mode"] == "selective" and r["calls"] == 2 for r in rows)
+    assert all(r["split"] == [r["split"][0]] and r["split"][0].startswith("MixtralExperts") for r in rows)
+    assert all("aten.topk.default" in r["replayed_ops"] + r["kept_ops"] for r in rows)  # routing is planned
+
+
+class _EagerExperts(torch.nn.Module):
+    """Loops over the experts that `nonzero` finds hit, with dropout inside: data dependent."""
+
+    def __init__(self, d=8, experts=3):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(experts))
+
+    def forward(self, x, idx):
+        out = torch.zeros_like(x)
+        for e in (idx.bincount(minlength=len(self.experts)) > 0).nonzero().flatten().tolist():
+            rows = (idx == e).nonzero().flatten()
+            out = out.index_add(0, rows, torch.nn.functional.dropout(self.experts[e](x[rows]).tanh(), 0.2))
+        return out
+
+
+class _EagerBlock(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.router, self.up, self.moe = torch.nn.Linear(d, 3), torch.nn.Linear(d, d), _EagerExperts(d)
+
+    def forward(self, x):
+        h = self.up(x).sigmoid()
+        y = self.moe(h, self.router(h).argmax(-1))
+        return torch.nn.functional.dropout(y.exp() * h, 0.3) + x  # random ops after the split-off part too
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5])
+def test_a_data_dependent_submodule_is_split_off(budget):
+    reset_plans()
+    torch.manual_seed(0)
+    block = _EagerBlock()
+    params = list(block.parameters())
+    with pytest.warns(UserWarning, match="_EagerExperts runs"):
+        for step in range(4):  # trace (then split), trace again, then planned calls; routing moves
+            x = torch.randn(10, 8, requires_grad=True)
+            torch.manual_seed(step)
+            expected = torch.autograd.grad(block(x).sum(), [x, *params], allow_unused=True)
+            torch.manual_seed(step)
+            got = torch.autograd.grad(gradaccel.checkpoint(block, x, budget=budget).sum(), [x, *params],
+                                      allow_unused=True)
+            for g, e in zip(got, expected):
+                assert (g is None) == (e is None)
+                if e is not None:
+                    torch.testing.assert_close(g, e, rtol=0, atol=0)  # same kernels, same masks
+    (row,) = plan_rows()
+    assert row["mode"] == "selective" and row["calls"] == 3 and row["split"][0].startswith("_EagerExperts")
