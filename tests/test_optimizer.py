@@ -346,7 +346,7 @@ def test_frozen_then_unfrozen_param_is_an_error():
     (dict(accum_steps=2.0), ValueError, "accum_steps"),
     (dict(accum_steps="4"), ValueError, "accum_steps"),
     (dict(accum_steps=True), ValueError, "accum_steps"),
-    (dict(normalize="sum"), ValueError, "normalize"),
+    (dict(normalize="median"), ValueError, "normalize"),
     (dict(normalize=None), ValueError, "normalize"),
     (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
     (dict(max_grad_norm=-1), ValueError, "max_grad_norm"),
