@@ -55,7 +55,16 @@ def _check_budget(budget):
         raise ValueError(f"budget as a fraction must lie in [0, 1], got {budget!r}")
     if isinstance(budget, int) and budget < 0:
         raise ValueError(f"budget in bytes must be >= 0, got {budget!r}")
+    if isinstance(budget, int) and 0 < budget < 1024 and budget not in _WARNED_SMALL:
+        # budget=1 reads like "everything" but an int is bytes: say so once, loudly.
+        _WARNED_SMALL.add(budget)
+        warnings.warn(f"budget={budget!r} is an int, so it means {budget} bytes per region (keep almost "
+                      "nothing), not a fraction; write a float for a fraction (budget=1.0 keeps everything)", UserWarning,
+                      stacklevel=3)
     return budget
+
+
+_WARNED_SMALL = set()
 
 
 # -- regions: one per (callable, input signature) --------------------------------------------
@@ -377,7 +386,9 @@ def _run_segment(x, *functions):
 # -- reporting ---------------------------------------------------------------------------------
 def plan_rows() -> list[dict]:
     """One dict per live traced region: name, signature, calls, bytes held against the budget,
-    ops kept, replayed and offloaded, estimated recompute FLOPs, and whether the plan is exact."""
+    ops kept, replayed and offloaded, estimated recompute FLOPs, whether the plan is exact, and
+    ``priced_ops``: the ops with no FLOP formula and how their cost was found (``"measured"``
+    in the traced forward, or a conservative ``"bound"``)."""
     rows = []
     for ref in _ALL:
         region = ref()
@@ -395,7 +406,8 @@ def plan_rows() -> list[dict]:
                        kept_ops=kept, replayed_ops=[str(graph.ops[i].func) for i in plan.steps],
                        offloaded_ops=sorted({_producer_name(graph, s) for s in plan.offloaded}),
                        offloaded_bytes=plan.offloaded_bytes,
-                       recompute_flops=plan.recompute_flops, exact=plan.exact, fits=plan.fits)
+                       recompute_flops=plan.recompute_flops, exact=plan.exact, fits=plan.fits,
+                       priced_ops={str(op.func): op.priced for op in graph.ops if op.priced != "formula"})
         rows.append(row)
     return rows
 
@@ -405,19 +417,29 @@ def _producer_name(graph: Graph, sid: int) -> str:
 
 
 def plan_report() -> str:
-    """A readable table of every traced region's plan (see :func:`plan_rows`)."""
-    lines = [f"{'region':<28} {'signature':<26} {'kept MiB':>9} {'budget MiB':>10} {'no-ckpt MiB':>11} "
-             f"{'replayed':>8} {'recompute GFLOP':>15}  exact"]
+    """A readable table of every traced region's plan (see :func:`plan_rows`), totals at the end."""
     mib = 1 / 2**20
+    lines = ["kept/budget/no-ckpt: activation MiB a region holds for backward with this plan / may hold / "
+             "would hold without checkpointing; replayed: ops rerun in backward; exact: the plan is proven "
+             "least-cost; costs: ops with no FLOP formula, measured in the traced forward or bounded.",
+             f"{'region':<28} {'kept MiB':>9} {'budget MiB':>10} {'no-ckpt MiB':>11} {'replayed':>8} "
+             f"{'recompute GFLOP':>15}  exact  signature"]
+    total = dict(kept=0, budget=0, none=0, flops=0, n=0)
     for r in plan_rows():
         if r["mode"] != "selective":
-            lines.append(f"{r['region']:<28} {r['signature'][:26]:<26} {r['mode']}")
+            lines.append(f"{r['region']:<28} {r['mode']}  {r['signature']}")
             continue
-        lines.append(f"{r['region'][:28]:<28} {r['signature'][:26]:<26} {r['kept_bytes'] * mib:>9.2f} "
-                     f"{r['budget_bytes'] * mib:>10.2f} {r['total_bytes'] * mib:>11.2f} {len(r['replayed_ops']):>8} "
-                     f"{r['recompute_flops'] / 1e9:>15.4f}  {'yes' if r['exact'] else 'no'}")
+        total.update(kept=total["kept"] + r["kept_bytes"], budget=total["budget"] + r["budget_bytes"],
+                     none=total["none"] + r["total_bytes"], flops=total["flops"] + r["recompute_flops"], n=total["n"] + 1)
+        lines.append(f"{r['region'][:28]:<28} {r['kept_bytes'] * mib:>9.2f} {r['budget_bytes'] * mib:>10.2f} "
+                     f"{r['total_bytes'] * mib:>11.2f} {len(r['replayed_ops']):>8} {r['recompute_flops'] / 1e9:>15.4f}  "
+                     f"{'yes' if r['exact'] else 'no ':<5}  {r['signature']}")
         lines.append(f"    kept:     {', '.join(r['kept_ops']) or '-'}")
         lines.append(f"    replayed: {', '.join(r['replayed_ops']) or '-'}")
         if r["offloaded_ops"]:
             lines.append(f"    offloaded ({r['offloaded_bytes'] * mib:.2f} MiB to host): {', '.join(r['offloaded_ops'])}")
+        if r["priced_ops"]:
+            lines.append("    costs:    " + ", ".join(f"{k} ({v})" for k, v in r["priced_ops"].items()))
+    lines.append(f"{'total (' + str(total['n']) + ' regions)':<28} {total['kept'] * mib:>9.2f} {total['budget'] * mib:>10.2f} "
+                 f"{total['none'] * mib:>11.2f} {'':>8} {total['flops'] / 1e9:>15.4f}")
     return "\n".join(lines)

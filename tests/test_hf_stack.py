@@ -239,3 +239,33 @@ def test_lora_fused_over_8bit_optimizers_matches_stock_accumulation(model_dir, m
         assert torch.equal(p, q), name
     # And it trained: LoRA's B matrices start at zero.
     assert all(p.abs().sum() > 0 for n, p in models[1].named_parameters() if "lora_B" in n)
+
+
+def test_qlora_block_prices_4bit_gemms(model_dir, monkeypatch):
+    """gemm_4bit has no FLOP formula: its cost is measured in the traced forward, never 0, and
+    the plan is not the one made when it was priced at 0 (replayed as if free)."""
+    from gradaccel import _trace
+
+    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                            bnb_4bit_compute_dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quant, device_map="cpu")
+    model = peft.prepare_model_for_kbit_training(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    gradaccel.checkpoint_blocks(model, budget=0.5)  # takes over what prepare_model_for_kbit_training turned on
+    model.train()
+    ids = torch.randint(2, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def plan():
+        reset_plans()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return plan_rows()
+
+    priced = plan()
+    gemm = "bitsandbytes.gemm_4bit.default"
+    assert priced and all(r["priced_ops"].get(gemm) == "measured" for r in priced)
+    assert gemm in gradaccel.plan_report()
+    real = _trace._flops  # priced at 0, as before: the plan is another one
+    monkeypatch.setattr(_trace, "_flops", lambda f, *a: (0, "formula") if "gemm_4bit" in str(f) else real(f, *a))
+    free = plan()
+    # (What is kept is the bf16->fp32 copy of gemm_4bit's output, which is how its cost shows.)
+    assert [(r["kept_ops"], r["replayed_ops"]) for r in priced] != [(r["kept_ops"], r["replayed_ops"]) for r in free]
