@@ -550,3 +550,32 @@ def test_reset_window_drops_a_failed_micro_batch_and_sparse_grads_lose_nothing()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert model[2].bias.grad is not None
+
+
+@pytest.mark.parametrize("normalize", ["mean", "items"])
+def test_window_loss_is_the_big_batch_loss(normalize):
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 3, normalize=normalize)
+    x, y = torch.randn(12, 6), torch.randn(12, 3)
+    # Uneven micro-batches with "items" (weighted per item), equal ones with "mean".
+    cuts = [0, 2, 7, 12] if normalize == "items" else [0, 4, 8, 12]
+    big = F.mse_loss(model(x), y).item()  # before the update
+    for k in range(3):
+        out, target = model(x[cuts[k]:cuts[k + 1]]), y[cuts[k]:cuts[k + 1]]
+        if normalize == "items":
+            loss = F.mse_loss(out, target, reduction="sum")
+            loss.backward()
+            updated = opt.step(num_items=out.numel(), loss=loss)
+        else:
+            loss = F.mse_loss(out, target)
+            loss.backward()
+            updated = opt.step(loss=loss)
+        assert updated == (k == 2)
+        opt.zero_grad()
+    assert opt.window_loss == pytest.approx(big, rel=1e-6)
+    for _ in range(3):  # no losses handed in: none reported
+        model(x).sum().backward()
+        opt.step(**({"num_items": 1} if normalize == "items" else {}))
+    assert opt.window_loss is None
