@@ -88,6 +88,7 @@ class Op:
     replayable: bool
     random: bool
     priced: str = "formula"  # how `flops` was found: "formula", "measured" or "bound"
+    module: str = ""  # the submodule of the region that ran it ("mlp.gate_proj"), for reports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,7 @@ class Graph:
         self.packs: list[Pack] = []
         self.outputs: dict[int, int] = {}  # storage -> index among flattened outputs
         self.dynamic = False
+        self.where: list[str] = []  # submodule names the forward is inside now (set by the caller)
         # Set by finish(): the region's activations (storage ids), their bytes, its devices.
         self.activations: list[int] = []
         self.activation_bytes = 0
@@ -206,7 +208,8 @@ class Graph:
         device = next((r.device for r in refs if isinstance(r, Ref)), None)
         balance = FLOPS_PER_BYTE["cpu"] if device is None or device.type == "cpu" else FLOPS_PER_BYTE["cuda"]
         cost = flops + balance * nbytes
-        self.ops.append(Op(func, spec, refs, reads, new_storages, flops, cost, replayable, random, priced))
+        self.ops.append(Op(func, spec, refs, reads, new_storages, flops, cost, replayable, random, priced,
+                           self.where[-1] if self.where else ""))
 
     def _written_storages(self, func, args, kwargs) -> list[int]:
         written = []

@@ -279,6 +279,8 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
     if region is not None:
         regions[key] = region  # most recently used last: the cache drops from the front
         region.calls += 1
+        if getattr(region, "retired", False):  # back to an earlier plan: it is the one to show
+            _show_only(regions, region)
         if region.plan is None:
             return _run_dynamic(region, fn, args, kwargs, preserve_rng_state)
         if region.plan.externals_alive():
@@ -295,7 +297,7 @@ def _run_planned(region, regions, key, fn, args, kwargs, flat):
     with saved_tensors_hooks(frame.pack, frame.unpack):
         out = fn(*args, **kwargs)
     if not frame.finish(out):
-        regions.pop(key, None)
+        _retire(regions.pop(key, None))
         _warn_once(("diverged", region.name),
                    f"gradaccel.checkpoint: {region.name} saved different tensors than when it was traced for "
                    "the same input signature; it is traced again on its next call. Make the region's behaviour "
@@ -308,15 +310,16 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
     rng = capture_rng(devices) if preserve_rng_state else None
     frame = TraceFrame(graph, flat, rng)
-    with saved_tensors_hooks(frame.pack, frame.unpack), DataReads(graph), frame.recorder:
+    with saved_tensors_hooks(frame.pack, frame.unpack), DataReads(graph), _ModulePath(graph, fn), frame.recorder:
         out = fn(*args, **kwargs)
     frame.finish(out)
     name = _name(fn)
     region = _Region(name, graph, budget, flat, store)
-    regions.pop(key, None)
+    _retire(regions.pop(key, None))
     regions[key] = region
+    _show_only(regions, region)
     if len(regions) > MAX_PLANS:  # a key that moves every call must not grow the cache without end
-        del regions[next(iter(regions))]
+        _retire(regions.pop(next(iter(regions))))
         _warn_once(("retraced", name),
                    f"gradaccel.checkpoint: {name} was traced for more than {MAX_PLANS} signatures, and each new "
                    "one runs as a full recompute. Either it sees many input shapes (pad to a few lengths), or "
@@ -324,6 +327,53 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
                    "a NaN): pass such tensors as arguments.")
     _ALL[:] = [r for r in _ALL if r() is not None] + [weakref.ref(region)]
     return out
+
+
+def _retire(region) -> None:
+    """A region replaced or dropped from its cache: a backward may still hold it, but it is no
+    longer the plan, so plan_rows() leaves it out."""
+    if region is not None:
+        region.retired = True
+
+
+def _show_only(regions: dict, region) -> None:
+    """Of the cached plans that look alike in a report (same callable and tensor shapes, keys
+    differing in a module attribute, say), only the one in use is shown."""
+    region.retired = False
+    for other in regions.values():
+        if other is not region and other.signature == region.signature and other.name == region.name:
+            other.retired = True
+
+
+class _ModulePath:
+    """While a region is traced: which of its submodules is running, for the report's op names.
+    Global module hooks, present only during the trace (they record nothing themselves)."""
+
+    def __init__(self, graph: Graph, fn) -> None:
+        root = getattr(fn, "__self__", fn)
+        self.names = ({id(m): n for n, m in root.named_modules() if n}
+                      if isinstance(root, torch.nn.Module) else {})
+        self.graph, self.handles = graph, []
+
+    def __enter__(self):
+        if self.names:
+            where, names = self.graph.where, self.names
+
+            def enter(m, args):
+                where.append(names.get(id(m)) or (where[-1] if where else ""))
+
+            def leave(m, args, out):
+                if where:
+                    where.pop()
+
+            self.handles = [torch.nn.modules.module.register_module_forward_pre_hook(enter),
+                            torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.graph.where.clear()
 
 
 def _run_dynamic(region, fn, args, kwargs, preserve_rng_state):
@@ -386,13 +436,14 @@ def _run_segment(x, *functions):
 # -- reporting ---------------------------------------------------------------------------------
 def plan_rows() -> list[dict]:
     """One dict per live traced region: name, signature, calls, bytes held against the budget,
-    ops kept, replayed and offloaded, estimated recompute FLOPs, whether the plan is exact, and
+    ops kept, replayed and offloaded (``kept_where``/``replayed_where``: the same with the
+    submodule that ran each, as ``"mm (mlp.fc1)"``), estimated recompute FLOPs, whether the plan is exact, and
     ``priced_ops``: the ops with no FLOP formula and how their cost was found (``"measured"``
     in the traced forward, or a conservative ``"bound"``)."""
     rows = []
     for ref in _ALL:
         region = ref()
-        if region is None:
+        if region is None or getattr(region, "retired", False):
             continue
         plan, graph = region.plan, region.graph
         row = {"region": region.name, "signature": region.signature, "calls": region.calls,
@@ -407,9 +458,18 @@ def plan_rows() -> list[dict]:
                        offloaded_ops=sorted({_producer_name(graph, s) for s in plan.offloaded}),
                        offloaded_bytes=plan.offloaded_bytes,
                        recompute_flops=plan.recompute_flops, exact=plan.exact, fits=plan.fits,
-                       priced_ops={str(op.func): op.priced for op in graph.ops if op.priced != "formula"})
+                       priced_ops={str(op.func): op.priced for op in graph.ops if op.priced != "formula"},
+                       kept_where=sorted({_where(graph, graph.storages[p.storage].creator) for k, p in enumerate(graph.packs)
+                                          if plan.keep[k] and graph.storages[p.storage].creator >= 0}),
+                       replayed_where=[_where(graph, i) for i in plan.steps])
         rows.append(row)
     return rows
+
+
+def _where(graph: Graph, i: int) -> str:
+    op = graph.ops[i]
+    name = str(op.func).removeprefix("aten.").removesuffix(".default")
+    return f"{name} ({op.module})" if op.module else name
 
 
 def _producer_name(graph: Graph, sid: int) -> str:
@@ -434,8 +494,8 @@ def plan_report() -> str:
         lines.append(f"{r['region'][:28]:<28} {r['kept_bytes'] * mib:>9.2f} {r['budget_bytes'] * mib:>10.2f} "
                      f"{r['total_bytes'] * mib:>11.2f} {len(r['replayed_ops']):>8} {r['recompute_flops'] / 1e9:>15.4f}  "
                      f"{'yes' if r['exact'] else 'no ':<5}  {r['signature']}")
-        lines.append(f"    kept:     {', '.join(r['kept_ops']) or '-'}")
-        lines.append(f"    replayed: {', '.join(r['replayed_ops']) or '-'}")
+        lines.append(f"    kept:     {', '.join(r['kept_where']) or '-'}")
+        lines.append(f"    replayed: {', '.join(r['replayed_where']) or '-'}")
         if r["offloaded_ops"]:
             lines.append(f"    offloaded ({r['offloaded_bytes'] * mib:.2f} MiB to host): {', '.join(r['offloaded_ops'])}")
         if r["priced_ops"]:
