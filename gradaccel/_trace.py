@@ -9,6 +9,7 @@ Used once per input signature (see gradaccel/checkpoint.py); later calls run wit
 """
 
 import dataclasses
+import time
 import weakref
 from typing import Any
 
@@ -95,6 +96,8 @@ class Op:
     cost: float
     replayable: bool
     random: bool
+    priced: str = "formula"  # how `flops` was found: "formula", "measured" or "bound"
+    module: str = ""  # the submodule of the region that ran it ("mlp.gate_proj"), for reports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +133,7 @@ class Graph:
         self.dynamic_module = None  # weak reference to the innermost module that ran it
         self.module_stack: list = []  # modules whose forward is running (kept by hooks while tracing)
         self.in_opaque = 0  # > 0 inside a submodule that runs as its own torch.utils.checkpoint
+        self.module_names: dict[int, str] = {}  # id(submodule) -> its name in the region, for reports
         # Set by finish(): the region's activations (storage ids), their bytes, its devices.
         self.activations: list[int] = []
         self.activation_bytes = 0
@@ -191,7 +195,7 @@ class Graph:
         return Ref(*self._view_of(t), t.device, meta_only)
 
     # -- recording ---------------------------------------------------------------------------
-    def record(self, func, args, kwargs, out) -> None:
+    def record(self, func, args, kwargs, out, seconds=None) -> None:
         op_id = len(self.ops)
         leaves, spec = tree_flatten((args, kwargs))
         meta_only = func.overloadpacket in _METADATA_ONLY
@@ -224,11 +228,20 @@ class Graph:
             self._new_value(s, op_id)
         if random:
             self._new_value(Graph.RNG, op_id)
-        flops = _flops(func, args, kwargs, out)
+        flops, priced = _flops(func, args, kwargs, out, seconds)
         device = next((r.device for r in refs if isinstance(r, Ref)), None)
         balance = FLOPS_PER_BYTE["cpu"] if device is None or device.type == "cpu" else FLOPS_PER_BYTE["cuda"]
         cost = flops + balance * nbytes
-        self.ops.append(Op(func, spec, refs, reads, new_storages, flops, cost, replayable, random))
+        self.ops.append(Op(func, spec, refs, reads, new_storages, flops, cost, replayable, random, priced,
+                           self._where()))
+
+    def _where(self) -> str:
+        """The name in the region of the innermost running submodule that has one ("" outside any)."""
+        for m in reversed(self.module_stack):
+            name = self.module_names.get(id(m))
+            if name:
+                return name
+        return ""
 
     def mark_dynamic(self, reason: str) -> None:
         """Marks the trace as not replayable on later calls, because of ``reason`` (the first
@@ -351,18 +364,51 @@ def _nbytes(r: Ref) -> int:
     return n * r.dtype.itemsize
 
 
-def _flops(func, args, kwargs, out) -> int:
+def _flops(func, args, kwargs, out, seconds=None) -> tuple[int, str]:
+    """FLOPs of one op and how they were found: torch's formula; else, for an op outside aten
+    (bitsandbytes' gemm_4bit, fused Liger or flash-attn kernels, custom ops), its time measured
+    in the traced forward (CPU) at this machine's measured matmul rate, or a conservative bound
+    (CUDA, where a host timer does not see the kernel). Such an op is never free to recompute."""
     packet = func.overloadpacket
     if packet in flop_registry:
         try:
-            return int(flop_registry[packet](*args, **kwargs, out_val=out))
+            return int(flop_registry[packet](*args, **kwargs, out_val=out)), "formula"
         except Exception:  # an overload the counter does not know must not break the forward
-            return 0
+            return _flops_bound(args, kwargs, out), "bound"
     if packet is getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None):
         # Not in torch's flop registry: two batched matmuls, QK^T and PV.
         q, k = args[0], args[1]
-        return 4 * q.numel() * k.shape[-2]
-    return 0
+        return 4 * q.numel() * k.shape[-2], "formula"
+    if getattr(func, "namespace", "aten") in ("aten", "prims"):
+        return 0, "formula"  # elementwise and data movement: priced by the bytes they move
+    if seconds is not None:
+        return max(1, int(seconds * _cpu_flop_rate())), "measured"
+    return _flops_bound(args, kwargs, out), "bound"
+
+
+def _flops_bound(args, kwargs, out) -> int:
+    """An upper-leaning bound for an op of unknown cost: a matmul's, 2 x output elements x the
+    longest inner (last) dimension among its tensor inputs (exact for a GEMM, high for the rest)."""
+    ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    inner = max((t.shape[-1] for t in ins), default=1)
+    return max(1, 2 * sum(t.numel() for t in outs) * inner)
+
+
+_RATE = []
+
+
+def _cpu_flop_rate() -> float:
+    """FLOP/s of a float32 matmul on this CPU, measured once (best of a few, about a millisecond)."""
+    if not _RATE:
+        a = torch.randn(128, 128)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            torch.mm(a, a)
+            best = min(best, time.perf_counter() - t0)
+        _RATE.append(2 * 128 ** 3 / max(best, 1e-9))
+    return _RATE[0]
 
 
 class DataReads(TorchFunctionMode):
@@ -391,7 +437,15 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if self.paused or getattr(func, "namespace", "aten") in ("aten", "prims"):
+            out, seconds = func(*args, **kwargs), None
+        else:  # an op with no FLOP formula: its time prices it (see _flops)
+            t0 = time.perf_counter()
+            out = func(*args, **kwargs)
+            seconds = time.perf_counter() - t0
+        if seconds is not None and any(t.device.type != "cpu" for t in tree_flatten(out)[0]
+                                       if isinstance(t, torch.Tensor)):
+            seconds = None  # a host timer does not see an asynchronous kernel
         if not self.paused:
-            self.graph.record(func, args, kwargs, out)
+            self.graph.record(func, args, kwargs, out, seconds)
         return out

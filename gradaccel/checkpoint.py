@@ -62,7 +62,16 @@ def _check_budget(budget):
         raise ValueError(f"budget as a fraction must lie in [0, 1], got {budget!r}")
     if isinstance(budget, int) and budget < 0:
         raise ValueError(f"budget in bytes must be >= 0, got {budget!r}")
+    if isinstance(budget, int) and 0 < budget < 1024 and budget not in _WARNED_SMALL:
+        # budget=1 reads like "everything" but an int is bytes: say so once, loudly.
+        _WARNED_SMALL.add(budget)
+        warnings.warn(f"budget={budget!r} is an int, so it means {budget} bytes per region (keep almost "
+                      "nothing), not a fraction; write a float for a fraction (budget=1.0 keeps everything)", UserWarning,
+                      stacklevel=3)
     return budget
+
+
+_WARNED_SMALL = set()
 
 
 # -- regions: one per (callable, input signature) --------------------------------------------
@@ -293,6 +302,8 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
     if region is not None:
         regions[key] = region  # most recently used last: the cache drops from the front
         region.calls += 1
+        if getattr(region, "retired", False):  # back to an earlier plan: it is the one to show
+            _show_only(regions, region)
         if region.plan is None:
             return _run_dynamic(region, fn, args, kwargs, preserve_rng_state)
         if region.plan.externals_alive():
@@ -309,7 +320,7 @@ def _run_planned(region, regions, key, fn, args, kwargs, flat):
     with saved_tensors_hooks(frame.pack, frame.unpack), active(frame):
         out = fn(*args, **kwargs)
     if not frame.finish(out):
-        regions.pop(key, None)
+        _retire(regions.pop(key, None))
         _warn_once(("diverged", region.name),
                    f"gradaccel.checkpoint: {region.name} saved different tensors than when it was traced for "
                    "the same input signature; it is traced again on its next call. Make the region's behaviour "
@@ -322,13 +333,14 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
     rng = capture_rng(devices) if preserve_rng_state else None
     frame = TraceFrame(graph, flat, rng)
+    graph.module_names = _module_names(fn)
     with saved_tensors_hooks(frame.pack, frame.unpack), active(frame), module_stack(graph.module_stack), \
             DataReads(graph), frame.recorder:
         out = fn(*args, **kwargs)
     frame.finish(out)
     name = _name(fn)
     region = _Region(name, graph, budget, flat, store)
-    regions.pop(key, None)
+    _retire(regions.pop(key, None))
     if graph.dynamic:
         if _split(region, owner=_owner(fn)[0]):
             return out  # traced again, with the submodule split off, on the next call
@@ -338,8 +350,9 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
                    f"{_describe(graph.dynamic_reason)}, which depends on tensor values, so a trace of it cannot "
                    "be replayed. Move that op out of the checkpointed region to get a selective plan.")
     regions[key] = region
+    _show_only(regions, region)
     if len(regions) > MAX_PLANS:  # a key that moves every call must not grow the cache without end
-        del regions[next(iter(regions))]
+        _retire(regions.pop(next(iter(regions))))
         _warn_once(("retraced", name),
                    f"gradaccel.checkpoint: {name} was traced for more than {MAX_PLANS} signatures, and each new "
                    "one runs as a full recompute. Either it sees many input shapes (pad to a few lengths), or "
@@ -362,6 +375,28 @@ def _split(region, owner) -> bool:
                "which depends on tensor values: that submodule runs as torch.utils.checkpoint (recomputed whole "
                "in backward) and the rest of the region gets a selective plan from its next call.")
     return True
+
+
+def _retire(region) -> None:
+    """A region replaced or dropped from its cache: a backward may still hold it, but it is no
+    longer the plan, so plan_rows() leaves it out."""
+    if region is not None:
+        region.retired = True
+
+
+def _show_only(regions: dict, region) -> None:
+    """Of the cached plans that look alike in a report (same callable and tensor shapes, keys
+    differing in a module attribute, say), only the one in use is shown."""
+    region.retired = False
+    for other in regions.values():
+        if other is not region and other.signature == region.signature and other.name == region.name:
+            other.retired = True
+
+
+def _module_names(fn) -> dict[int, str]:
+    """id -> name of each submodule of the region's module, for the report's op names."""
+    root = getattr(fn, "__self__", fn)
+    return {id(m): n for n, m in root.named_modules() if n} if isinstance(root, torch.nn.Module) else {}
 
 
 def _run_dynamic(region, fn, args, kwargs, preserve_rng_state):
@@ -425,11 +460,14 @@ def _run_segment(x, *functions):
 # -- reporting ---------------------------------------------------------------------------------
 def plan_rows() -> list[dict]:
     """One dict per live traced region: name, signature, calls, bytes held against the budget,
-    ops kept, replayed and offloaded, estimated recompute FLOPs, and whether the plan is exact."""
+    ops kept, replayed and offloaded (``kept_where``/``replayed_where``: the same with the
+    submodule that ran each, as ``"mm (mlp.fc1)"``), estimated recompute FLOPs, whether the plan is exact, and
+    ``priced_ops``: the ops with no FLOP formula and how their cost was found (``"measured"``
+    in the traced forward, or a conservative ``"bound"``)."""
     rows = []
     for ref in _ALL:
         region = ref()
-        if region is None:
+        if region is None or getattr(region, "retired", False):
             continue
         plan, graph = region.plan, region.graph
         row = {"region": region.name, "signature": region.signature, "calls": region.calls,
@@ -445,9 +483,19 @@ def plan_rows() -> list[dict]:
                        offloaded_ops=sorted({_producer_name(graph, s) for s in plan.offloaded}),
                        offloaded_bytes=plan.offloaded_bytes,
                        recompute_flops=plan.recompute_flops, exact=plan.exact, fits=plan.fits,
+                       priced_ops={str(op.func): op.priced for op in graph.ops if op.priced != "formula"},
+                       kept_where=sorted({_where(graph, graph.storages[p.storage].creator) for k, p in enumerate(graph.packs)
+                                          if plan.keep[k] and graph.storages[p.storage].creator >= 0}),
+                       replayed_where=[_where(graph, i) for i in plan.steps],
                        split=[str(op.func) for op in graph.ops if isinstance(op.func, Opaque)])
         rows.append(row)
     return rows
+
+
+def _where(graph: Graph, i: int) -> str:
+    op = graph.ops[i]
+    name = str(op.func).removeprefix("aten.").removesuffix(".default")
+    return f"{name} ({op.module})" if op.module else name
 
 
 def _producer_name(graph: Graph, sid: int) -> str:
@@ -455,21 +503,31 @@ def _producer_name(graph: Graph, sid: int) -> str:
 
 
 def plan_report() -> str:
-    """A readable table of every traced region's plan (see :func:`plan_rows`)."""
-    lines = [f"{'region':<28} {'signature':<26} {'kept MiB':>9} {'budget MiB':>10} {'no-ckpt MiB':>11} "
-             f"{'replayed':>8} {'recompute GFLOP':>15}  exact"]
+    """A readable table of every traced region's plan (see :func:`plan_rows`), totals at the end."""
     mib = 1 / 2**20
+    lines = ["kept/budget/no-ckpt: activation MiB a region holds for backward with this plan / may hold / "
+             "would hold without checkpointing; replayed: ops rerun in backward; exact: the plan is proven "
+             "least-cost; costs: ops with no FLOP formula, measured in the traced forward or bounded.",
+             f"{'region':<28} {'kept MiB':>9} {'budget MiB':>10} {'no-ckpt MiB':>11} {'replayed':>8} "
+             f"{'recompute GFLOP':>15}  exact  signature"]
+    total = dict(kept=0, budget=0, none=0, flops=0, n=0)
     for r in plan_rows():
         if r["mode"] != "selective":
-            lines.append(f"{r['region']:<28} {r['signature'][:26]:<26} {r['mode']}")
+            lines.append(f"{r['region']:<28} {r['mode']}  {r['signature']}")
             continue
-        lines.append(f"{r['region'][:28]:<28} {r['signature'][:26]:<26} {r['kept_bytes'] * mib:>9.2f} "
-                     f"{r['budget_bytes'] * mib:>10.2f} {r['total_bytes'] * mib:>11.2f} {len(r['replayed_ops']):>8} "
-                     f"{r['recompute_flops'] / 1e9:>15.4f}  {'yes' if r['exact'] else 'no'}")
-        lines.append(f"    kept:     {', '.join(r['kept_ops']) or '-'}")
-        lines.append(f"    replayed: {', '.join(r['replayed_ops']) or '-'}")
+        total.update(kept=total["kept"] + r["kept_bytes"], budget=total["budget"] + r["budget_bytes"],
+                     none=total["none"] + r["total_bytes"], flops=total["flops"] + r["recompute_flops"], n=total["n"] + 1)
+        lines.append(f"{r['region'][:28]:<28} {r['kept_bytes'] * mib:>9.2f} {r['budget_bytes'] * mib:>10.2f} "
+                     f"{r['total_bytes'] * mib:>11.2f} {len(r['replayed_ops']):>8} {r['recompute_flops'] / 1e9:>15.4f}  "
+                     f"{'yes' if r['exact'] else 'no ':<5}  {r['signature']}")
+        lines.append(f"    kept:     {', '.join(r['kept_where']) or '-'}")
+        lines.append(f"    replayed: {', '.join(r['replayed_where']) or '-'}")
         if r["split"]:
             lines.append(f"    split:    {', '.join(r['split'])}")
         if r["offloaded_ops"]:
             lines.append(f"    offloaded ({r['offloaded_bytes'] * mib:.2f} MiB to host): {', '.join(r['offloaded_ops'])}")
+        if r["priced_ops"]:
+            lines.append("    costs:    " + ", ".join(f"{k} ({v})" for k, v in r["priced_ops"].items()))
+    lines.append(f"{'total (' + str(total['n']) + ' regions)':<28} {total['kept'] * mib:>9.2f} {total['budget'] * mib:>10.2f} "
+                 f"{total['none'] * mib:>11.2f} {'':>8} {total['flops'] / 1e9:>15.4f}")
     return "\n".join(lines)

@@ -346,7 +346,7 @@ def test_frozen_then_unfrozen_param_is_an_error():
     (dict(accum_steps=2.0), ValueError, "accum_steps"),
     (dict(accum_steps="4"), ValueError, "accum_steps"),
     (dict(accum_steps=True), ValueError, "accum_steps"),
-    (dict(normalize="sum"), ValueError, "normalize"),
+    (dict(normalize="median"), ValueError, "normalize"),
     (dict(normalize=None), ValueError, "normalize"),
     (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
     (dict(max_grad_norm=-1), ValueError, "max_grad_norm"),
@@ -580,3 +580,32 @@ def test_optimizer_hooks_and_internals_are_torchs_own():
     with torch.profiler.profile() as prof:
         opt.step()
     assert any("FusedAccumOptimizer.step" in e.name for e in prof.events())
+
+
+@pytest.mark.parametrize("normalize", ["mean", "items"])
+def test_window_loss_is_the_big_batch_loss(normalize):
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 3, normalize=normalize)
+    x, y = torch.randn(12, 6), torch.randn(12, 3)
+    # Uneven micro-batches with "items" (weighted per item), equal ones with "mean".
+    cuts = [0, 2, 7, 12] if normalize == "items" else [0, 4, 8, 12]
+    big = F.mse_loss(model(x), y).item()  # before the update
+    for k in range(3):
+        out, target = model(x[cuts[k]:cuts[k + 1]]), y[cuts[k]:cuts[k + 1]]
+        if normalize == "items":
+            loss = F.mse_loss(out, target, reduction="sum")
+            loss.backward()
+            updated = opt.step(num_items=out.numel(), loss=loss)
+        else:
+            loss = F.mse_loss(out, target)
+            loss.backward()
+            updated = opt.step(loss=loss)
+        assert updated == (k == 2)
+        opt.zero_grad()
+    assert opt.window_loss == pytest.approx(big, rel=1e-6)
+    for _ in range(3):  # no losses handed in: none reported
+        model(x).sum().backward()
+        opt.step(**({"num_items": 1} if normalize == "items" else {}))
+    assert opt.window_loss is None
