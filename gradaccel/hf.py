@@ -106,8 +106,8 @@ def _checkpoint(model: nn.Module, budget, on: bool) -> None:
         blocks._take_over(m, budget)
     if budget:
         warnings.warn(f"gradaccel.hf.enable: budget={budget!r} has no effect, gradient checkpointing is off; "
-                      "set gradient_checkpointing=True (TrainingArguments/SFTConfig) to checkpoint under it",
-                      UserWarning, stacklevel=4)
+                      "turn it on (gradient_checkpointing=True in TrainingArguments/SFTConfig, or "
+                      "model.activation_checkpointing_enable()) to checkpoint under it", UserWarning, stacklevel=4)
 
 
 class _State:
