@@ -302,8 +302,6 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
     if region is not None:
         regions[key] = region  # most recently used last: the cache drops from the front
         region.calls += 1
-        if getattr(region, "retired", False):  # back to an earlier plan: it is the one to show
-            _show_only(regions, region)
         if region.plan is None:
             return _run_dynamic(region, fn, args, kwargs, preserve_rng_state)
         if region.plan.externals_alive():
@@ -350,7 +348,6 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
                    f"{_describe(graph.dynamic_reason)}, which depends on tensor values, so a trace of it cannot "
                    "be replayed. Move that op out of the checkpointed region to get a selective plan.")
     regions[key] = region
-    _show_only(regions, region)
     if len(regions) > MAX_PLANS:  # a key that moves every call must not grow the cache without end
         _retire(regions.pop(next(iter(regions))))
         _warn_once(("retraced", name),
@@ -382,15 +379,6 @@ def _retire(region) -> None:
     longer the plan, so plan_rows() leaves it out."""
     if region is not None:
         region.retired = True
-
-
-def _show_only(regions: dict, region) -> None:
-    """Of the cached plans that look alike in a report (same callable and tensor shapes, keys
-    differing in a module attribute, say), only the one in use is shown."""
-    region.retired = False
-    for other in regions.values():
-        if other is not region and other.signature == region.signature and other.name == region.name:
-            other.retired = True
 
 
 def _module_names(fn) -> dict[int, str]:

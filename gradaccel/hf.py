@@ -51,7 +51,8 @@ def enable(target: Any, budget: None | float | int = None) -> Any:
             keeps nothing (the memory of HF's checkpointing), a float in ``(0, 1]`` the fraction
             of a layer's activation bytes that may be kept, an int that many bytes. It applies
             where HF gradient checkpointing is (or later gets) turned on; with it off, a budget
-            other than None is warned about.
+            other than None is warned about. A model that ``checkpoint_blocks`` already
+            checkpoints keeps its budget (``gradaccel.blocks.set_budget`` changes it).
 
     Returns:
         ``target``.
@@ -90,6 +91,16 @@ def _enable_trainer(trainer, budget) -> None:
     checkpointing = bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None))
     _checkpoint(model, budget, on=checkpointing)
     _patch_accelerator(trainer.accelerator, budget)
+    if "create_accelerator_and_postprocess" not in vars(trainer):
+        # A hyper-parameter search builds a new accelerator per trial: it gets gradaccel too.
+        create = trainer.create_accelerator_and_postprocess
+
+        def create_accelerator_and_postprocess():
+            create()
+            _patch_accelerator(trainer.accelerator, trainer._gradaccel_budget)
+
+        trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
+    trainer._gradaccel_budget = budget
 
 
 def _checkpoint(model: nn.Module, budget, on: bool) -> None:
@@ -106,8 +117,8 @@ def _checkpoint(model: nn.Module, budget, on: bool) -> None:
         blocks._take_over(m, budget)
     if budget:
         warnings.warn(f"gradaccel.hf.enable: budget={budget!r} has no effect, gradient checkpointing is off; "
-                      "set gradient_checkpointing=True (TrainingArguments/SFTConfig) to checkpoint under it",
-                      UserWarning, stacklevel=4)
+                      "turn it on (gradient_checkpointing=True in TrainingArguments/SFTConfig, or "
+                      "model.activation_checkpointing_enable()) to checkpoint under it", UserWarning, stacklevel=4)
 
 
 class _State:

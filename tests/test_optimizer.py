@@ -609,3 +609,30 @@ def test_window_loss_is_the_big_batch_loss(normalize):
         model(x).sum().backward()
         opt.step(**({"num_items": 1} if normalize == "items" else {}))
     assert opt.window_loss is None
+
+
+def test_clip_grad_norm_before_the_ending_step_matches_torch():
+    # For loops that clip before step() (accelerate, Trainer): the window's gradient is finished
+    # and clipped at that call, and the next step() applies it.
+    torch.manual_seed(0)
+    ref, model = torch.nn.Linear(5, 4), torch.nn.Linear(5, 4)
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    (ref(x).square().mean()).backward()
+    expect = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    ref_opt.step()
+    model(x[:3]).square().mean().backward()
+    with pytest.raises(RuntimeError, match="just before the step"):
+        opt.clip_grad_norm_(0.1)  # mid-window: the window's gradient is not complete yet
+    assert opt.step() is False
+    model(x[3:]).square().mean().backward()
+    norm = opt.clip_grad_norm_(0.1)
+    assert norm.item() == pytest.approx(expect.item(), rel=1e-6)
+    assert opt.step() is True
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    items = FusedAccumOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), 1, normalize="items")
+    with pytest.raises(RuntimeError, match="normalize='mean' or 'sum'"):
+        items.clip_grad_norm_(1.0)
