@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from gradaccel import ops
+from gradaccel import _sharded, ops
 from gradaccel._slots import GradSlots
 
 __all__ = ["FusedAccumOptimizer", "WindowScheduler"]
@@ -51,6 +51,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             parameter equals its master rounded to the parameter's dtype.
         process_group: a ``torch.distributed`` group: the fp32 window buffer is all-reduced once
             per window and averaged over ranks. Use on a plain (not DDP-wrapped) model.
+        sync: for an FSDP2 (``fully_shard``) model, whose parameters are DTensors: when FSDP2
+            reduce-scatters. ``"micro_batch"`` (default): after every backward, folding the
+            shard at once (least memory). ``"window"``: FSDP2 holds fp32 unsharded gradients for
+            the window and reduce-scatters once (least communication); needs ``module``.
+            The buffer holds this rank's shards only. See ``gradaccel/_sharded.py``.
+        module: the ``fully_shard``-ed root module (needed for ``sync="window"``).
 
     Attributes:
         skipped_steps: windows skipped because their gradient was not finite.
@@ -69,7 +75,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, accum_steps: int, *,
                  normalize: str = "mean", max_grad_norm: float | None = None,
-                 master_weights: bool = False, process_group: Any = None) -> None:
+                 master_weights: bool = False, process_group: Any = None,
+                 sync: str = "micro_batch", module: Any = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, FusedAccumOptimizer):
@@ -120,6 +127,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._items_t: torch.Tensor | None = None
         self._mean_scale: tuple[tuple[int, int], torch.Tensor] | None = None
 
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._sharded = None  # the distributed half of a window over DTensor (fully_shard) params
+        if _sharded.check_params(params, process_group):
+            self._sharded = _sharded.ShardedWindow([p for p in params if p.requires_grad], sync, module)
+            self._sharded.before_micro_batch(0, accum_steps)
+        elif sync != "micro_batch" or module is not None:
+            raise ValueError("sync= and module= are for fully_shard (FSDP2) models; these parameters "
+                             "are plain tensors (for data parallelism use process_group=)")
         for group in optimizer.param_groups:
             group["params"] = self._slots.adopt(group["params"], optimizer.state)
         self._slots.grow()
@@ -261,6 +276,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._slots.tick()
         self._micro += 1
         if self._micro < self.accum_steps:
+            if self._sharded is not None:
+                self._sharded.before_micro_batch(self._micro, self.accum_steps)
             return False
         return self._end_window()
 
@@ -300,10 +317,17 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             host = meta.tolist()
             self._items, self._items_t = host[0], None
             touched = [t > 0 for t in host[1:]]
+        if self._sharded is not None:
+            # FSDP2 already averaged over ranks: the scale is 1/accum_steps or world/total items.
+            items = self._items + (self._items_t.item() if self._items_t is not None else 0.0)
+            self._items, touched = self._sharded.agree(self._micro, self.accum_steps, items, touched)
+            self._items_t = None
         scale = self._window_scale(world)
         sumsq, nonfinite = ops.finalize_(flat, scale)
         # One host sync per window, for both the flag and the norm.
         ss, nf = torch.stack([sumsq, nonfinite.double()]).tolist()
+        if self._sharded is not None:
+            ss, nf = self._sharded.global_norm(ss, nf)  # every rank clips alike, skips alike
         norm = math.sqrt(ss) if ss >= 0 else float("nan")
         self.last_grad_norm = norm
         if nf or not math.isfinite(norm):
@@ -331,7 +355,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 g = v if q.dtype == torch.float32 else v.to(q.dtype)
                 if g.stride() != q.stride():  # re-laid out since adoption (model.to(channels_last))
                     g = torch.empty_like(q).copy_(g)  # fused kernels pair elements by memory
-                q.grad = g
+                q.grad = _sharded.as_grad(g, q)
         self.optimizer.step()
         for q in slots.targets:
             q.grad = None  # the views alias the buffer; drop them so nothing is held between windows
@@ -354,6 +378,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._micro = 0
         self._items, self._items_t = 0.0, None
         self._slots.start_window()
+        if self._sharded is not None:
+            self._sharded.before_micro_batch(0, self.accum_steps)
 
     # --- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,256 @@
+"""FusedAccumOptimizer on FSDP2 (``fully_shard``) models: 2 gloo ranks on CPU against single-process
+big-batch training of an unsharded copy (stock PyTorch), for both sync choices."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from _dist import WORLD, run_scenarios
+
+from gradaccel import _sharded
+from gradaccel.optimizer import FusedAccumOptimizer
+
+TIMEOUT_S = 240
+VOCAB, SEQ, D = 32, 8, 16
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        # No qkv bias: the key bias's gradient is zero in exact arithmetic (softmax ignores a shift)
+        # and rounding noise in fp32, which AdamW's m/sqrt(v) scales up to a full lr-sized step.
+        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(Block(D) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(D), nn.Linear(D, VOCAB)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
+def _pair(mp_policy=None, seed=0):
+    """A TinyLM sharded per block and at the root, and an unsharded copy with the same weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(seed)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    kw = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model, ref
+
+
+def _tokens(rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+
+
+def _ce(logits, targets, reduction="mean"):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction=reduction, ignore_index=-100)
+
+
+def _full(p):
+    return p.full_tensor() if isinstance(p, _sharded.DTensor) else p
+
+
+def _rel_diff(model, ref):
+    """Largest |sharded - reference| over each tensor's largest |reference|, over all parameters."""
+    return max(((_full(p) - q).abs().max() / q.abs().max()).item()
+               for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def _mean_windows(rank, sync, make_pair, loss_of, windows=3, accum=2, micro=2):
+    model, ref = make_pair()
+    # lr 1e-3: AdamW turns rounding noise in a near-zero gradient element into up to an lr-sized
+    # step (m/sqrt(v)), in stock FSDP2 as much as here; 1e-3 keeps that under 1e-6 of the weights.
+    opt = FusedAccumOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), accum, sync=sync,
+                              module=model if sync == "window" else None)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for window in range(windows):
+        ids = _tokens(WORLD * accum * micro, window)
+        for k in range(accum):
+            start = (rank * accum + k) * micro
+            loss_of(model, ids[start: start + micro]).backward()
+            assert opt.step() == (k == accum - 1)
+            opt.zero_grad()
+        loss_of(ref, ids).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        # fp32 throughout; the sums run in another order than the big batch's (per rank, per
+        # micro-batch), so equal to rounding, not bitwise.
+        assert _rel_diff(model, ref) < 1e-6, (window, _rel_diff(model, ref))
+    return model, opt
+
+
+def _lm_loss(model, ids):
+    return _ce(model(ids[:, :-1]), ids[:, 1:])
+
+
+def _tiny_transformer(rank):
+    for sync in _sharded.SYNC:
+        _mean_windows(rank, sync, _pair, _lm_loss)
+
+
+def _hf_llama(rank):
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.fsdp import fully_shard
+
+    def make_pair():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                          max_position_embeddings=32, pad_token_id=0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        ref = copy.deepcopy(model)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model, ref
+
+    for sync in _sharded.SYNC:
+        _mean_windows(rank, sync, make_pair, lambda m, ids: m(input_ids=ids, labels=ids).loss, windows=2)
+
+
+def _items_and_clip(rank):
+    # Uneven token counts per rank and per micro-batch (labels masked with -100): only the
+    # global count gives the big batch's per-token mean. Clipping binds (max_grad_norm below the norm).
+    keep = [[3, 17], [29, 8]][rank]  # targets kept of 4 * SEQ = 32 per micro-batch
+    for sync in _sharded.SYNC:
+        model, ref = _pair()
+        # SGD with momentum, not AdamW: its update scales with the gradient, so it checks the
+        # per-token scale and the clip coefficient (AdamW would hide both).
+        opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 2,
+                                  normalize="items", max_grad_norm=0.3, sync=sync, module=model)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        for window in range(2):
+            ids = _tokens(WORLD * 2 * 4, 10 + window)
+            targets = ids[:, 1:].clone()
+            g = torch.Generator().manual_seed(window)
+            for r in range(WORLD):
+                for k in range(2):
+                    rows = slice((r * 2 + k) * 4, (r * 2 + k + 1) * 4)
+                    n = [[3, 17], [29, 8]][r][k]
+                    flat = targets[rows].reshape(-1)
+                    flat[torch.randperm(flat.numel(), generator=g)[n:]] = -100
+                    targets[rows] = flat.view(4, SEQ)
+            for k in range(2):
+                rows = slice((rank * 2 + k) * 4, (rank * 2 + k + 1) * 4)
+                _ce(model(ids[rows, :-1]), targets[rows], "sum").backward()
+                opt.step(num_items=keep[k] if k else torch.tensor(keep[k]))
+            (_ce(ref(ids[:, :-1]), targets, "sum") / (targets != -100).sum()).backward()
+            norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3).item()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert norm > 0.3 and abs(opt.last_grad_norm - norm) <= 1e-6 * norm, (sync, opt.last_grad_norm, norm)
+            assert _rel_diff(model, ref) < 1e-6, (sync, window, _rel_diff(model, ref))
+
+
+def _nan_on_one_rank(rank):
+    model, _ = _pair()
+    poison = {"on": False}
+    victim = model.blocks[0].fc1.weight
+
+    def inject(p):  # runs before the optimizer's fold hook (registered first): only this rank's shard
+        if poison["on"] and rank == 1:
+            p.grad._local_tensor[0, 0] = float("nan")
+    victim.register_post_accumulate_grad_hook(inject)
+    opt = FusedAccumOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), 2, max_grad_norm=1.0)
+    for window in range(3):
+        poison["on"] = window == 1
+        before = [_full(p).clone() for p in model.parameters()]
+        ids = _tokens(WORLD * 2 * 2, window)
+        for k in range(2):
+            start = (rank * 2 + k) * 2
+            _lm_loss(model, ids[start: start + 2]).backward()
+            with pytest.warns(UserWarning, match="non-finite") if window == 1 and k == 1 else _no_warning():
+                updated = opt.step()
+        assert updated == (window != 1), (window, updated)
+        changed = any(not torch.equal(a, _full(p)) for a, p in zip(before, model.parameters()))
+        assert changed == (window != 1)
+    assert opt.skipped_steps == 1
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _refusals(rank):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    model, _ = _pair()
+    with pytest.raises(ValueError, match="process_group is for a replicated plain model"):
+        FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, process_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="sync='window' needs module="):
+        FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window")
+    with pytest.raises(ValueError, match="sync must be one of"):
+        FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="never")
+    bf16, _ = _pair(MixedPrecisionPolicy(param_dtype=torch.bfloat16))  # reduces (and would hold) in bf16
+    with pytest.raises(ValueError, match="reduce_dtype=torch.float32"):
+        FusedAccumOptimizer(torch.optim.SGD(bf16.parameters(), lr=0.1), 2, sync="window", module=bf16)
+    with pytest.raises(ValueError, match="fully_shard"):
+        FusedAccumOptimizer(torch.optim.SGD(TinyLM().parameters(), lr=0.1), 2, sync="window", module=model)
+
+
+def _diverged(rank):
+    # Rank 1 thinks windows are 3 micro-batches long: rank 0 must get a clear error, not hang.
+    # Rank 1 is then stuck in FSDP2's next all-gather, which fails when rank 0 leaves.
+    _sharded.CHECK_TIMEOUT_S = 5
+    model, _ = _pair()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2 + rank)
+    ids = _tokens(8, 0)
+    try:
+        for k in range(3):
+            _lm_loss(model, ids[k * 2: k * 2 + 2]).backward()
+            opt.step()
+    except RuntimeError as e:
+        if rank == 0:
+            assert "other ranks did not" in str(e) and "accum_steps" in str(e), str(e)
+        return
+    raise AssertionError("a rank that diverged was not reported")
+
+
+SCENARIOS = {
+    "tiny_transformer": _tiny_transformer,
+    "hf_llama": _hf_llama,
+    "items_and_clip": _items_and_clip,
+    "nan_on_one_rank": _nan_on_one_rank,
+    "refusals": _refusals,
+    "diverged": _diverged,  # last: it leaves the process group unusable
+}
+POISONS = ("diverged",)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    # One spawn for every scenario: starting two ranks costs more than the scenarios.
+    return run_scenarios(__name__, tmp_path_factory.mktemp("fsdp"), TIMEOUT_S)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_two_ranks(results, scenario):
+    for rank, res in enumerate(results):
+        assert res.get(scenario) == "ok", f"rank {rank}:\n{res.get(scenario)}"
