@@ -166,6 +166,71 @@ def _items_and_clip(rank):
             assert _rel_diff(model, ref) < 1e-6, (sync, window, _rel_diff(model, ref))
 
 
+class _Recorder(torch.optim.Optimizer):
+    """Keeps the (unsharded, fp64) gradients it is stepped with; changes nothing."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.grads = None
+
+    def step(self, closure=None):
+        self.grads = [_full(p.grad).double() for g in self.param_groups for p in g["params"]]
+
+
+def _bf16_accumulation(rank):
+    # bf16 compute: FSDP2's MixedPrecisionPolicy keeps fp32 sharded parameters (the masters) and
+    # all-gathers bf16 copies. The error measured is the accumulation's alone: the reference is
+    # the fp64 mean of the very bf16 micro-batch gradients (a plain bf16 copy computes the same).
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    bf, K = torch.bfloat16, 8
+    ours, ref = _pair(MixedPrecisionPolicy(param_dtype=bf, reduce_dtype=torch.float32))
+    stock, _ = _pair(MixedPrecisionPolicy(param_dtype=bf, reduce_dtype=bf))  # reduce-scatter in bf16
+    opt = FusedAccumOptimizer(_Recorder(ours.parameters()), K, master_weights=True)
+    ref16 = copy.deepcopy(ref).to(bf)
+    ids = _tokens(WORLD * K * 2, 0)
+    exact = [torch.zeros_like(p, dtype=torch.float64) for p in ref16.parameters()]
+    for mb in range(WORLD * K):
+        _lm_loss(ref16, ids[mb * 2: mb * 2 + 2]).backward()
+        for e, p in zip(exact, ref16.parameters()):
+            e += p.grad.double() / (WORLD * K)
+        ref16.zero_grad()
+    for k in range(K):
+        start = (rank * K + k) * 2
+        for model in (ours, stock):
+            _lm_loss(model, ids[start: start + 2]).backward()
+        assert opt.step() == (k == K - 1)
+
+    def error(grads):
+        return max(((g - e).abs().max() / e.abs().max()).item() for g, e in zip(grads, exact))
+    ours_err = error(opt.optimizer.grads)
+    stock_err = error([_full(p.grad).double() / K for p in stock.parameters()])
+    assert stock_err > 1e-4 and ours_err * 100 <= stock_err, (ours_err, stock_err)
+
+
+def _bf16_masters(rank):
+    # A model sharded in bf16 with master_weights=True: fp32 DTensor masters of this rank's shard,
+    # and every parameter stays its master rounded to bf16.
+    model, ref = _pair()
+    model.to(torch.bfloat16)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, master_weights=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    masters = [g for group in opt.param_groups for g in group["params"]]
+    assert all(isinstance(m, _sharded.DTensor) and m.dtype == torch.float32 for m in masters)
+    for window in range(2):
+        ids = _tokens(WORLD * 2 * 2, window)
+        for k in range(2):
+            start = (rank * 2 + k) * 2
+            _lm_loss(model, ids[start: start + 2]).backward()
+            opt.step()
+        _lm_loss(ref, ids).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, m, q in zip(model.parameters(), masters, ref.parameters()):
+        assert torch.equal(p.to_local(), m.to_local().to(torch.bfloat16))
+        # bf16 forward and backward against fp32: a bf16-sized difference, not a wrong update.
+        assert (_full(m) - q).abs().max() <= 2e-2 * q.abs().max() + 1e-3
+
+
 def _nan_on_one_rank(rank):
     model, _ = _pair()
     poison = {"on": False}
@@ -237,6 +302,8 @@ SCENARIOS = {
     "tiny_transformer": _tiny_transformer,
     "hf_llama": _hf_llama,
     "items_and_clip": _items_and_clip,
+    "bf16_accumulation": _bf16_accumulation,
+    "bf16_masters": _bf16_masters,
     "nan_on_one_rank": _nan_on_one_rank,
     "refusals": _refusals,
     "diverged": _diverged,  # last: it leaves the process group unusable
