@@ -193,3 +193,65 @@ class ShardedWindow:
         if side is None:
             raise RuntimeError("FusedAccumOptimizer: its process group was destroyed; build a new optimizer")
         return side
+
+
+# --- state dicts for torch.distributed.checkpoint (DCP) ------------------------------------------
+# DCP saves a plain tensor once, as replicated, and loads in place into a template state dict.
+# So the per-rank window buffer travels as one DTensor per parameter (sharded like it), and the
+# inner optimizer's state has an entry for every parameter even before its first update.
+
+def inner_state_dict(optimizer: torch.optim.Optimizer) -> tuple[dict, torch.Tensor]:
+    """``optimizer.state_dict()`` with an entry for every trainable parameter; and a bool tensor,
+    one per parameter, marking the entries made up for that (the optimizer had no state for them).
+    A tensor of fixed length, not a list of indices: DCP loads into a template by key.
+
+    The made-up entries come from a step with zero gradients at lr 0 (what
+    ``torch.distributed.checkpoint.state_dict`` does for a fresh optimizer), taken out of
+    ``optimizer.state`` again, so this has no effect on training; load drops them.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    unset = [i for i, p in enumerate(params) if p.requires_grad and p not in optimizer.state]
+    mask = torch.zeros(len(params), dtype=torch.bool)
+    mask[unset] = True
+    if not unset:
+        return optimizer.state_dict(), mask
+    grads = [p.grad for p in params]
+    lrs = [group.get("lr") for group in optimizer.param_groups]
+    try:
+        for i, p in enumerate(params):
+            p.grad = torch.zeros_like(p) if i in unset else None
+        for group in optimizer.param_groups:
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
+        optimizer.step()
+        sd = optimizer.state_dict()
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for i in unset:
+            optimizer.state.pop(params[i], None)
+    return sd, mask
+
+
+def window_dtensors(flat: torch.Tensor, offsets: list[int], params: list[torch.Tensor], copy: bool) -> list:
+    """The row-major window buffer ``flat`` as one fp32 DTensor per parameter, sharded like it."""
+    out = []
+    for o, p in zip(offsets, params):
+        shard = flat[o: o + local(p).numel()].view(local(p).shape)
+        out.append(as_grad(shard.clone() if copy else shard, p))
+    return out
+
+
+def window_flat(window: list, params: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`window_dtensors` back to this rank's row-major flat buffer."""
+    if not isinstance(window, (list, tuple)) or len(window) != len(params):
+        raise ValueError("state_dict was saved for different parameters (or without fully_shard)")
+    for w, p in zip(window, params):
+        if local(w).shape != local(p).shape:
+            raise ValueError(f"state_dict holds a window shard of shape {tuple(local(w).shape)} for a "
+                             f"parameter whose shard here is {tuple(local(p).shape)}; load it through "
+                             "torch.distributed.checkpoint, which reshards DTensors")
+    return torch.cat([local(w).reshape(-1).float() for w in window]) if window else torch.zeros(0)

@@ -390,23 +390,39 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             where ``master_weights``) and ``"gradaccel"``: the fp32 masters, the window buffer,
             which parameters got a gradient this window, and the counters. Mid-window the
             buffer is a copy, so the dict stays a consistent snapshot after further steps.
+            On a ``fully_shard`` model the window is one fp32 DTensor per parameter and the
+            inner state has an entry per parameter, so that ``torch.distributed.checkpoint``
+            saves every rank's shard and loads into a fresh optimizer's ``state_dict()``.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim.Optimizer does
             pre_hook(self)
         slots = self._slots
-        sd = self.optimizer.state_dict()
+        unset = None
+        if self._sharded is None:
+            sd = self.optimizer.state_dict()
+            flat = slots.rowmajor(copy=self._micro > 0)  # between windows: unread, not copied
+        else:
+            if self._micro and self._sharded.sync == "window":
+                raise ValueError("sync='window': mid-window the gradients are FSDP2's unsharded ones, "
+                                 "which a state dict cannot hold; save at the end of a window (after "
+                                 "the step() that returned True) or use sync='micro_batch'")
+            sd, unset = _sharded.inner_state_dict(self.optimizer)
+            flat = _sharded.window_dtensors(slots.rowmajor(copy=False), slots.offsets, slots.params,
+                                            copy=self._micro > 0)
         items = self._items + (self._items_t.item() if self._items_t is not None else 0.0)
         sd["gradaccel"] = {
             "accum_steps": self.accum_steps,
             "normalize": self.normalize,
             "masters": [t if t is not p else None for p, t in zip(slots.params, slots.targets)],
-            "flat": slots.rowmajor(copy=self._micro > 0),  # between windows: unread, not copied
+            "flat": flat,
             "touched": slots.touched(),
             "micro": self._micro,
             "items": items,
             "skipped_steps": self.skipped_steps,
             "last_grad_norm": self.last_grad_norm,
         }
+        if self._sharded is not None:  # inner entries made up for DCP; dropped at load
+            sd["gradaccel"]["unset"] = unset
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             sd = post_hook(self, sd) or sd
         return sd
@@ -426,9 +442,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                              "FusedAccumOptimizer.state_dict() (load the inner optimizer's own "
                              "state dict into opt.optimizer instead)")
         slots = self._slots
-        if extra["flat"].numel() != slots.flat.numel() or len(extra["masters"]) != len(slots.params):
+        flat = extra["flat"]
+        if self._sharded is not None:
+            flat = _sharded.window_flat(flat, slots.params)
+        if flat.numel() != slots.flat.numel() or len(extra["masters"]) != len(slots.params):
             raise ValueError("state_dict was saved for different parameters "
-                             f"({extra['flat'].numel()} elements, this optimizer has {slots.flat.numel()})")
+                             f"({flat.numel()} elements, this optimizer has {slots.flat.numel()})")
         if any((m is None) != (t is p) for p, t, m in zip(slots.params, slots.targets, extra["masters"])):
             raise ValueError("state_dict was saved with another master_weights setting or dtypes")
         if extra["normalize"] != self.normalize:
@@ -439,8 +458,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                              f"{extra['accum_steps']}; this optimizer has accum_steps={self.accum_steps}. "
                              "Resume with the same accum_steps (change it between windows)")
         self.optimizer.load_state_dict(sd)
+        inner = [q for group in self.optimizer.param_groups for q in group["params"]]
+        unset = extra.get("unset")
+        for q, drop in zip(inner, unset.tolist() if unset is not None else ()):
+            if drop:
+                self.optimizer.state.pop(q, None)
         with torch.no_grad():
-            slots.load_rowmajor(extra["flat"])
+            slots.load_rowmajor(flat)
             for p, t, m in zip(slots.params, slots.targets, extra["masters"]):
                 if m is not None:
                     t.copy_(m)

@@ -37,7 +37,7 @@ def _worker(rank, port, out_dir, module_name):
             try:
                 fn(rank)
                 results[name] = "ok"
-            except Exception:
+            except BaseException:  # torch.distributed.checkpoint's CheckpointException is one
                 results[name] = traceback.format_exc()
             if name in poisons:
                 break
