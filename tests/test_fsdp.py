@@ -308,6 +308,72 @@ def _dcp_resume(rank):
         shutil.rmtree(path[0], ignore_errors=True)
 
 
+def _held_now(fn):
+    """Bytes of the storages ``fn``'s forward made that are alive after it, at their size now:
+    FSDP2 frees a gathered parameter's storage by resizing it to 0 (the object stays)."""
+    from gradaccel.measure import StorageLog
+    log = StorageLog()
+    with log:
+        out = fn()
+    outputs = {out.untyped_storage()._cdata}
+    held = 0
+    for key, (ref, _) in log.created.items():
+        if not ref.expired() and key not in outputs:
+            held += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+    return out, held
+
+
+def _checkpoint_blocks_fsdp(rank):
+    # checkpoint_blocks(budget=0.5) before or after fully_shard: FSDP2's hooks stay outside the
+    # region (as many all-gathers as without checkpointing), the plan is the one the unsharded
+    # model gets (gathered parameters are not activations), and the gradients are the reference's.
+    from torch.distributed.fsdp import fully_shard
+
+    from gradaccel import checkpoint_blocks
+    ids = _tokens(WORLD * 2, 0)
+    mine = ids[rank * 2: rank * 2 + 2]
+    torch.manual_seed(0)
+    ref = TinyLM()
+    plain = checkpoint_blocks(copy.deepcopy(ref), budget=0.5)
+    _lm_loss(ref, ids).backward()
+    _, plain_held = _held_now(lambda: _lm_loss(plain, mine))  # warm: the plan is measured on call 1
+    _, plain_held = _held_now(lambda: _lm_loss(plain, mine))
+    gathers = []
+    real = dist.all_gather_single
+
+    def counting(*args, **kwargs):
+        gathers.append(1)
+        return real(*args, **kwargs)
+    dist.all_gather_single = counting
+    try:
+        counts = {}
+        for order in ("none", "shard_first", "checkpoint_first"):
+            model = copy.deepcopy(ref)
+            model.zero_grad()
+            if order == "checkpoint_first":
+                checkpoint_blocks(model, budget=0.5)
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            if order == "shard_first":
+                checkpoint_blocks(model, budget=0.5)
+            for step in range(2):  # the first call measures and plans
+                del gathers[:]
+                loss, held = _held_now(lambda: _lm_loss(model, mine))
+                loss.backward()
+                counts[order] = len(gathers)
+            if order != "none":
+                assert held == plain_held, (order, held, plain_held)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                # Two micro-batches' sum (FSDP2 averages the ranks) against the big batch's mean: rounding.
+                assert torch.allclose(_full(p.grad) / 2, q.grad, rtol=1e-5, atol=1e-7), (order, p.shape)
+        assert counts["shard_first"] == counts["checkpoint_first"] == counts["none"] > 0, counts
+    finally:
+        dist.all_gather_single = real
+    _, unkept = _held_now(lambda: _lm_loss(ref, mine))
+    assert plain_held < unkept
+
+
 def _refusals(rank):
     from torch.distributed.fsdp import MixedPrecisionPolicy
     model, _ = _pair()
@@ -357,6 +423,7 @@ SCENARIOS = {
     "bf16_masters": _bf16_masters,
     "nan_on_one_rank": _nan_on_one_rank,
     "dcp_resume": _dcp_resume,
+    "checkpoint_blocks": _checkpoint_blocks_fsdp,
     "refusals": _refusals,
     "diverged": _diverged,  # last: it leaves the process group unusable
 }
