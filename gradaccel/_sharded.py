@@ -71,7 +71,8 @@ def check_params(params: list[torch.Tensor], process_group: Any) -> bool:
         from torch.distributed.fsdp._flat_param import FlatParameter
     except ImportError:  # pragma: no cover
         FlatParameter = ()
-    if any(isinstance(p, FlatParameter) for p in params):
+    # FSDP1 marks the parameters it flattened (use_orig_params=True leaves those in the model).
+    if any(isinstance(p, FlatParameter) or getattr(p, "_fsdp_flattened", False) for p in params):
         raise TypeError("FusedAccumOptimizer does not support FullyShardedDataParallel (FSDP1) flat "
                         "parameters; shard the model with FSDP2, torch.distributed.fsdp.fully_shard, "
                         "and build the optimizer on model.parameters()")

@@ -383,7 +383,13 @@ def _refusals(rank):
         FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window")
     with pytest.raises(ValueError, match="sync must be one of"):
         FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="never")
-    bf16, _ = _pair(MixedPrecisionPolicy(param_dtype=torch.bfloat16))  # reduces (and would hold) in bf16
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    for orig in (False, True):
+        fsdp1 = FullyShardedDataParallel(TinyLM(), device_id=torch.device("cpu"), use_orig_params=orig)
+        with pytest.raises(TypeError, match="FSDP1.*fully_shard"):
+            FusedAccumOptimizer(torch.optim.SGD(fsdp1.parameters(), lr=0.1), 2)
+    bf16, _ = _pair(MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+  # reduces (and would hold) in bf16
     with pytest.raises(ValueError, match="reduce_dtype=torch.float32"):
         FusedAccumOptimizer(torch.optim.SGD(bf16.parameters(), lr=0.1), 2, sync="window", module=bf16)
     with pytest.raises(ValueError, match="fully_shard"):
