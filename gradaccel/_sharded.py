@@ -95,18 +95,23 @@ def check_params(params: list[torch.Tensor], process_group: Any) -> bool:
     return True
 
 
-def _held_dtypes(module: torch.nn.Module) -> set:
-    """The dtypes FSDP2 accumulates unsharded gradients in under ``module`` without gradient sync:
-    the policy's reduce dtype, else its param dtype, else the parameter's (private API, read only)."""
+def _fsdp_params(module: torch.nn.Module) -> list:
+    """FSDP2's per-parameter records under ``module`` (private API: the only place its unsharded
+    gradients and dtype policy live)."""
     from torch.distributed.fsdp import FSDPModule
-    out = set()
+    out = []
     for m in module.modules():
         if isinstance(m, FSDPModule):
             for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []:
-                policy = group.mp_policy
-                for fp in group.fsdp_params:
-                    out.add(policy.reduce_dtype or policy.param_dtype or fp.sharded_param.dtype)
+                out.extend((group, fp) for fp in group.fsdp_params)
     return out
+
+
+def _held_dtypes(module: torch.nn.Module) -> set:
+    """The dtypes FSDP2 accumulates unsharded gradients in without gradient sync: the policy's
+    reduce dtype, else its param dtype, else the parameter's."""
+    return {group.mp_policy.reduce_dtype or group.mp_policy.param_dtype or fp.sharded_param.dtype
+            for group, fp in _fsdp_params(module)}
 
 
 class ShardedWindow:
@@ -153,6 +158,17 @@ class ShardedWindow:
             module = self._module()
             if module is not None:
                 module.set_requires_gradient_sync(micro == accum_steps - 1)
+
+    def discard(self) -> None:
+        """Drops the unsharded gradients FSDP2 holds for the window (``sync="window"``)."""
+        module = self._module() if self._module is not None else None
+        if self.sync != "window" or module is None:
+            return
+        for _, fp in _fsdp_params(module):
+            fp.unsharded_accumulated_grad = None
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
 
     # --- the end of a window -------------------------------------------------------------------
     def agree(self, micro: int, accum_steps: int, items: float, touched: list[bool]) -> tuple[float, list[bool]]:

@@ -68,7 +68,7 @@ def _make_hook(views: list, stamps: list, clock: list, i: int) -> Callable[[torc
                                "(e.g. nn.Embedding(sparse=True)); use dense gradients")
         # detach: backward(create_graph=True) keeps values, not graphs; local: a DTensor grad
         # (fully_shard) folds this rank's shard into this rank's slice.
-        grad = local(grad.detach())
+        grad = local(grad).detach()
         if stamps[i] < clock[1]:
             # First arrival in this window: a converting copy overwrites the stale slice, which
             # saves zeroing the whole buffer every window (and reading it back here).

@@ -371,6 +371,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         """
         for p in self._slots.params:
             p.grad = None
+        if self._sharded is not None:
+            self._sharded.discard()  # sync="window": FSDP2's unsharded gradients of this window
         self._slots.tick()  # what was folded so far belongs to no window
         self._reset_window()
 

@@ -114,6 +114,24 @@ def _tiny_transformer(rank):
         _mean_windows(rank, sync, _pair, _lm_loss)
 
 
+def _reset_window(rank):
+    # A window discarded half-way leaves nothing behind, in the buffer or (sync="window") in FSDP2.
+    for sync in _sharded.SYNC:
+        params = []
+        for discard in (True, False):
+            model, _ = _pair()
+            opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), 2, sync=sync, module=model)
+            if discard:
+                _lm_loss(model, _tokens(2, 99)).backward()
+                opt.step()
+                opt.reset_window()
+            for k in range(2):
+                _lm_loss(model, _tokens(2, 2 * rank + k)).backward()
+                opt.step()
+            params.append([_full(p) for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*params)), sync
+
+
 def _hf_llama(rank):
     transformers = pytest.importorskip("transformers")
     from torch.distributed.fsdp import fully_shard
@@ -424,6 +442,7 @@ def _diverged(rank):
 SCENARIOS = {
     "tiny_transformer": _tiny_transformer,
     "hf_llama": _hf_llama,
+    "reset_window": _reset_window,
     "items_and_clip": _items_and_clip,
     "bf16_accumulation": _bf16_accumulation,
     "bf16_masters": _bf16_masters,
