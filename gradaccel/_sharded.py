@@ -134,9 +134,9 @@ class ShardedWindow:
                                  "micro-batch (FSDPModule.set_requires_gradient_sync)")
             for held in _held_dtypes(module) - {torch.float32}:
                 raise ValueError("sync='window' holds the unsharded gradients in FSDP2's reduce dtype, "
-                                     f"here {held}: pass fully_shard(..., mp_policy=MixedPrecisionPolicy("
-                                     "param_dtype=..., reduce_dtype=torch.float32)) for exact accumulation, "
-                                     "or use sync='micro_batch'")
+                                 f"here {held}: pass fully_shard(..., mp_policy=MixedPrecisionPolicy("
+                                 "param_dtype=..., reduce_dtype=torch.float32)) for exact accumulation, "
+                                 "or use sync='micro_batch'")
         elif module is not None and not isinstance(module, FSDPModule):
             raise TypeError(f"module must be a fully_shard-ed module, got {type(module).__name__}")
         self.sync = sync

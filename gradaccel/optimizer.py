@@ -55,7 +55,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             reduce-scatters. ``"micro_batch"`` (default): after every backward, folding the
             shard at once (least memory). ``"window"``: FSDP2 holds fp32 unsharded gradients for
             the window and reduce-scatters once (least communication); needs ``module``.
-            The buffer holds this rank's shards only. See ``gradaccel/_sharded.py``.
+            The buffer holds this rank's shards only. Build the optimizer on every rank: it
+            makes a small gloo group for the end-of-window check. See ``gradaccel/_sharded.py``.
         module: the ``fully_shard``-ed root module (needed for ``sync="window"``).
 
     Attributes:
