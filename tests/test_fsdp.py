@@ -203,9 +203,12 @@ def _bf16_accumulation(rank):
     # the fp64 mean of the very bf16 micro-batch gradients (a plain bf16 copy computes the same).
     from torch.distributed.fsdp import MixedPrecisionPolicy
     bf, K = torch.bfloat16, 8
-    ours, ref = _pair(MixedPrecisionPolicy(param_dtype=bf, reduce_dtype=torch.float32))
+    policy = MixedPrecisionPolicy(param_dtype=bf, reduce_dtype=torch.float32)
+    ours, ref = _pair(policy)
+    ours_window, _ = _pair(policy)  # FSDP2 holds the unsharded grads in fp32, reduce-scatters once
     stock, _ = _pair(MixedPrecisionPolicy(param_dtype=bf, reduce_dtype=bf))  # reduce-scatter in bf16
     opt = FusedAccumOptimizer(_Recorder(ours.parameters()), K, master_weights=True)
+    opt_window = FusedAccumOptimizer(_Recorder(ours_window.parameters()), K, sync="window", module=ours_window)
     ref16 = copy.deepcopy(ref).to(bf)
     ids = _tokens(WORLD * K * 2, 0)
     exact = [torch.zeros_like(p, dtype=torch.float64) for p in ref16.parameters()]
@@ -216,13 +219,13 @@ def _bf16_accumulation(rank):
         ref16.zero_grad()
     for k in range(K):
         start = (rank * K + k) * 2
-        for model in (ours, stock):
+        for model in (ours, ours_window, stock):
             _lm_loss(model, ids[start: start + 2]).backward()
-        assert opt.step() == (k == K - 1)
+        assert opt.step() == opt_window.step() == (k == K - 1)
 
     def error(grads):
         return max(((g - e).abs().max() / e.abs().max()).item() for g, e in zip(grads, exact))
-    ours_err = error(opt.optimizer.grads)
+    ours_err = max(error(opt.optimizer.grads), error(opt_window.optimizer.grads))
     stock_err = error([_full(p.grad).double() / K for p in stock.parameters()])
     assert stock_err > 1e-4 and ours_err * 100 <= stock_err, (ours_err, stock_err)
 
