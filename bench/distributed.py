@@ -109,7 +109,7 @@ def _grad_bytes(model, opt) -> int:
                     if unsharded is not None and unsharded.grad is not None:
                         held += unsharded.grad.nbytes
     buffer = getattr(opt, "grad_buffer", None)
-    return held + (buffer.nbytes if buffer is not None else 0)
+    return held + (buffer.untyped_storage().nbytes() if buffer is not None else 0)  # may be released
 
 
 def _case(rank: int, device: torch.device, cfg: GPTConfig, micro: int, accum: int, windows: int, reps: int):

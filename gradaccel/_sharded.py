@@ -152,12 +152,26 @@ class ShardedWindow:
         self._side = weakref.ref(side)  # weakly, as FusedAccumOptimizer holds its process_group
 
     # --- FSDP2's gradient sync -----------------------------------------------------------------
-    def before_micro_batch(self, micro: int, accum_steps: int) -> None:
-        """With ``sync="window"``, FSDP2 reduce-scatters only in the window's last backward."""
+    def before_micro_batch(self, micro: int, accum_steps: int, flat: torch.Tensor) -> None:
+        """With ``sync="window"``, FSDP2 reduce-scatters only in the window's last backward, and
+        only that backward writes the buffer: until then its memory is released, so that a rank
+        holds FSDP2's unsharded gradients or the buffer at a micro-batch boundary, not both."""
         if self.sync == "window":
+            last = micro == accum_steps - 1
             module = self._module()
             if module is not None:
-                module.set_requires_gradient_sync(micro == accum_steps - 1)
+                module.set_requires_gradient_sync(last)
+            self.hold(flat, last)
+
+    @staticmethod
+    def hold(flat: torch.Tensor, needed: bool) -> None:
+        """Gives the buffer its memory back (its content is then undefined) or releases it. The
+        slices stay valid views: resizing a storage keeps the tensors that view it."""
+        storage = flat.untyped_storage()
+        if needed and storage.nbytes() < flat.numel() * flat.element_size():
+            storage.resize_(flat.numel() * flat.element_size())
+        elif not needed and storage.nbytes():
+            storage.resize_(0)
 
     def discard(self) -> None:
         """Drops the unsharded gradients FSDP2 holds for the window (``sync="window"``)."""

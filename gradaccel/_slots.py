@@ -177,7 +177,7 @@ class GradSlots:
             total += local(p).numel()  # a DTensor's slice holds this rank's shard only
         device = self.params[0].device if self.params else torch.device("cpu")
         flat = torch.zeros(total, dtype=torch.float32, device=device)
-        if old is not None and old.numel():
+        if old is not None and old.numel() and old.untyped_storage().nbytes():  # not released
             flat[: old.numel()].copy_(old)
         self.flat, self.offsets = flat, offsets
         # In place: the hooks hold this very list.

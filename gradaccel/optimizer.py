@@ -132,13 +132,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._sharded = None  # the distributed half of a window over DTensor (fully_shard) params
         if _sharded.check_params(params, process_group):
             self._sharded = _sharded.ShardedWindow([p for p in params if p.requires_grad], sync, module)
-            self._sharded.before_micro_batch(0, accum_steps)
         elif sync != "micro_batch" or module is not None:
             raise ValueError("sync= and module= are for fully_shard (FSDP2) models; these parameters "
                              "are plain tensors (for data parallelism use process_group=)")
         for group in optimizer.param_groups:
             group["params"] = self._slots.adopt(group["params"], optimizer.state)
         self._slots.grow()
+        if self._sharded is not None:
+            self._sharded.before_micro_batch(0, accum_steps, self._slots.flat)
 
     # --- the inner optimizer's objects, shared -------------------------------------------------
     @property
@@ -167,7 +168,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     @property
     def grad_buffer(self) -> torch.Tensor:
-        """The flat fp32 window buffer (1-D; parameter i's slice in adoption order). Read only."""
+        """The flat fp32 window buffer (1-D; parameter i's slice in adoption order). Read only.
+        With ``sync="window"`` its memory is released until the window's last micro-batch."""
         return self._slots.flat
 
     @property
@@ -278,7 +280,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._micro += 1
         if self._micro < self.accum_steps:
             if self._sharded is not None:
-                self._sharded.before_micro_batch(self._micro, self.accum_steps)
+                self._sharded.before_micro_batch(self._micro, self.accum_steps, self._slots.flat)
             return False
         return self._end_window()
 
@@ -382,7 +384,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._items, self._items_t = 0.0, None
         self._slots.start_window()
         if self._sharded is not None:
-            self._sharded.before_micro_batch(0, self.accum_steps)
+            self._sharded.before_micro_batch(0, self.accum_steps, self._slots.flat)
 
     # --- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -409,9 +411,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 raise ValueError("sync='window': mid-window the gradients are FSDP2's unsharded ones, "
                                  "which a state dict cannot hold; save at the end of a window (after "
                                  "the step() that returned True) or use sync='micro_batch'")
+            self._sharded.hold(slots.flat, True)  # sync="window" releases it between windows
             sd, unset = _sharded.inner_state_dict(self.optimizer)
+            # A copy mid-window, and with sync="window", whose buffer is released between windows.
             flat = _sharded.window_dtensors(slots.rowmajor(copy=False), slots.offsets, slots.params,
-                                            copy=self._micro > 0)
+                                            copy=self._micro > 0 or self._sharded.sync == "window")
         items = self._items + (self._items_t.item() if self._items_t is not None else 0.0)
         sd["gradaccel"] = {
             "accum_steps": self.accum_steps,
@@ -448,6 +452,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         flat = extra["flat"]
         if self._sharded is not None:
             flat = _sharded.window_flat(flat, slots.params)
+            self._sharded.hold(slots.flat, True)
         if flat.numel() != slots.flat.numel() or len(extra["masters"]) != len(slots.params):
             raise ValueError("state_dict was saved for different parameters "
                              f"({flat.numel()} elements, this optimizer has {slots.flat.numel()})")

@@ -96,6 +96,9 @@ def _mean_windows(rank, sync, make_pair, loss_of, windows=3, accum=2, micro=2):
             loss_of(model, ids[start: start + micro]).backward()
             assert opt.step() == (k == accum - 1)
             opt.zero_grad()
+            # sync="window": the buffer's memory is released until the window's last micro-batch.
+            released = opt.grad_buffer.untyped_storage().nbytes() == 0
+            assert released == (sync == "window" and k != accum - 2), (sync, k)
         loss_of(ref, ids).backward()
         ref_opt.step()
         ref_opt.zero_grad()
