@@ -194,7 +194,7 @@ def _worker(rank: int, port: int, cases: list, device_type: str, path: str) -> N
     results = {}
     try:
         for name, cfg, micro, accum in cases:
-            windows, reps = (2, 1) if tiny() else (3, 5)
+            windows, reps = (2, 1) if tiny() else (3, 9)
             results[name] = _case(rank, device, cfg, micro, accum, windows, reps)
             dist.barrier()
     finally:
