@@ -291,17 +291,18 @@ class _no_warning:
 
 
 def _dcp_resume(rank):
-    # Saved with torch.distributed.checkpoint in the middle of the second window, loaded into a
-    # fresh model and optimizer (other weights, no optimizer state yet), it ends bit-equal to the
-    # run that never stopped: the same kernels run on the same values in the same order.
+    # Saved with torch.distributed.checkpoint in the middle of the second window (sync="window":
+    # between windows, where its gradients are not FSDP2's), loaded into a fresh model and
+    # optimizer (other weights, no optimizer state yet), it ends bit-equal to the run that never
+    # stopped: the same kernels run on the same values in the same order.
     import torch.distributed.checkpoint as dcp
     path = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(path)
 
-    def build(seed=0):
+    def build(sync, seed=0):
         model, _ = _pair(seed=seed)
         opt = FusedAccumOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), 2, normalize="items",
-                                  max_grad_norm=1.0)
+                                  max_grad_norm=1.0, sync=sync, module=model)
         return model, opt
 
     def micro_batch(model, opt, i):
@@ -310,23 +311,25 @@ def _dcp_resume(rank):
         _ce(model(ids[start: start + 2, :-1]), ids[start: start + 2, 1:], "sum").backward()
         opt.step(num_items=2 * SEQ)
 
-    model, opt = build()
-    for i in range(6):
-        micro_batch(model, opt, i)
-    uninterrupted = [_full(p) for p in model.parameters()]
-    model, opt = build()
-    for i in range(3):
-        micro_batch(model, opt, i)
-    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path[0])
-    model, opt = build(seed=1)
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(state, checkpoint_id=path[0])
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optim"])
-    assert opt.micro_step == 1
-    for i in range(3, 6):
-        micro_batch(model, opt, i)
-    assert all(torch.equal(a, _full(p)) for a, p in zip(uninterrupted, model.parameters()))
+    for sync, saved_at in (("micro_batch", 3), ("window", 2)):
+        model, opt = build(sync)
+        for i in range(6):
+            micro_batch(model, opt, i)
+        uninterrupted = [_full(p) for p in model.parameters()]
+        model, opt = build(sync)
+        for i in range(saved_at):
+            micro_batch(model, opt, i)
+        checkpoint_id = f"{path[0]}/{sync}"
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=checkpoint_id)
+        model, opt = build(sync, seed=1)
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        dcp.load(state, checkpoint_id=checkpoint_id)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        assert opt.micro_step == saved_at % 2
+        for i in range(saved_at, 6):
+            micro_batch(model, opt, i)
+        assert all(torch.equal(a, _full(p)) for a, p in zip(uninterrupted, model.parameters())), sync
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path[0], ignore_errors=True)
