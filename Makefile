@@ -26,7 +26,7 @@ STAMP := build/.gradaccel-installed
 # flock: several shells may build the one extension at once.
 LOCK  := flock build/.build.lock
 
-.PHONY: install test cuda-check bench clean
+.PHONY: install test cuda-check compat bench clean
 
 # The extension is rebuilt in place on every install: build/ is kept, so ninja recompiles only
 # what changed and a no-op takes seconds. (A stamp file would miss an edit made mid-build.)
@@ -63,6 +63,29 @@ cuda-check: install
 	for f in $$(grep -l GRADACCEL_WITH_CUDA csrc/*.cpp); do \
 		echo "c++ -DGRADACCEL_WITH_CUDA $$f"; $(CXX) -std=c++20 -fsyntax-only -Wall -DGRADACCEL_WITH_CUDA=1 -Ibuild/generated $$inc $$f; \
 	done
+
+# The suite against the oldest stack we test, the GPU machine's (torch 2.11 + triton 3.6), here
+# on CPU (Triton through its interpreter, the extension built as a CUDA extension), in a venv
+# and a copy of the working tree of their own, so this checkout's build stays as it is. torch
+# guesses CUDA_HOME from nvcc's path, where there is no libcudart: point it at the toolkit.
+COMPAT_VENV  ?= .venv-compat
+# numpy < 2.4: triton 3.6's interpreter turns a 1-element array into an int, which numpy 2.4
+# refuses ("only 0-dimensional arrays can be converted"), so every kernel with a loop over a
+# runtime bound fails interpreted. Compiled kernels never touch numpy; triton 3.7+ is fixed.
+COMPAT_PINS  ?= torch==2.11.0 triton==3.6.0 "numpy<2.4"
+COMPAT_DIR   := build/compat
+CUDA_HOME    ?= /usr/local/cuda
+compat:
+	@test -x $(COMPAT_VENV)/bin/python || { $(PYTHON) -m venv $(COMPAT_VENV) && \
+		$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip wheel setuptools && \
+		$(COMPAT_VENV)/bin/python -m pip install -q $(COMPAT_PINS); }
+	rm -rf $(COMPAT_DIR) && mkdir -p $(COMPAT_DIR)
+	git ls-files -z --cached --others --exclude-standard | tar --null -T - --ignore-failed-read -cf - | tar -xf - -C $(COMPAT_DIR)
+	cd $(COMPAT_DIR) && GRADACCEL_SKIP_EXT=1 $(CURDIR)/$(COMPAT_VENV)/bin/python -m pip install -q \
+		--no-build-isolation -e ".[$(EXTRAS)]" $(COMPAT_PINS)
+	cd $(COMPAT_DIR) && CUDA_HOME=$(CUDA_HOME) $(CURDIR)/$(COMPAT_VENV)/bin/python setup.py -q build_ext --inplace
+	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -c "import torch, triton; print('compat:', torch.__version__, 'triton', triton.__version__)"
+	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pytest -q tests
 
 # Writes bench/results/latest, then copies the run's tables into bench/RESULTS.md and README.md
 # (each only if every suite succeeded).

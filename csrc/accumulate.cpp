@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -92,21 +93,50 @@ void axpy_dispatch(float* acc, const void* g, at::ScalarType dtype, float s, int
   }
 }
 
-void check_grad_dtype(const at::Tensor& grad, const char* what) {
-  auto dt = grad.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "gradaccel: ", what,
-              " must be float32, bfloat16 or float16, got ", dt,
-              " (integer or other dtypes have no gradient to accumulate; cast it first)");
+// --- argument checks ---------------------------------------------------------------------------
+// The one definition of what each op accepts, for the CPU, Meta and (through the _check_* ops)
+// Triton paths alike. TORCH_CHECK_VALUE raises Python's ValueError; refusals about memory
+// overlap stay RuntimeError, as torch's own in-place ops raise them. gradaccel/ops.py adds only
+// what the schema hides from C++: an argument that is not a tensor at all (TypeError).
+
+std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+
+void check_buffer(const char* op, const char* name, const at::Tensor& buf) {
+  TORCH_CHECK_VALUE(buf.scalar_type() == at::kFloat, "gradaccel.", op, ": ", name, " must be float32 ",
+                    "(the fp32 accumulation buffer), got ", dtype_name(buf.scalar_type()));
+}
+
+void check_grad(const at::Tensor& grad, const std::string& what) {
+  const auto dt = grad.scalar_type();
+  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "gradaccel.", what,
+                    " must be float32, bfloat16 or float16, got ", dtype_name(dt),
+                    " (integer and other dtypes carry no gradient to accumulate)");
+  TORCH_CHECK_VALUE(grad.layout() == at::kStrided, "gradaccel.", what,
+                    " must be a dense (strided) tensor, got layout ", grad.layout());
 }
 
 void check_pair(const at::Tensor& acc, const at::Tensor& grad) {
-  TORCH_CHECK(acc.scalar_type() == at::kFloat, "gradaccel.scale_accumulate_: acc must be float32 ",
-              "(the fp32 accumulation buffer), got ", acc.scalar_type());
-  check_grad_dtype(grad, "scale_accumulate_: grad");
-  TORCH_CHECK(acc.device() == grad.device(), "gradaccel.scale_accumulate_: acc and grad must be on ",
-              "the same device, got acc on ", acc.device(), " and grad on ", grad.device());
-  TORCH_CHECK(acc.sym_sizes() == grad.sym_sizes(), "gradaccel.scale_accumulate_: grad must have ",
-              "acc's shape ", acc.sym_sizes(), ", got ", grad.sym_sizes());
+  check_buffer("scale_accumulate_", "acc", acc);
+  check_grad(grad, "scale_accumulate_: grad");
+  TORCH_CHECK_VALUE(acc.device() == grad.device(), "gradaccel.scale_accumulate_: acc is on ",
+                    acc.device(), " but grad is on ", grad.device(), "; move one of them");
+  TORCH_CHECK_VALUE(acc.sym_sizes() == grad.sym_sizes(), "gradaccel.scale_accumulate_: grad has shape ",
+                    grad.sym_sizes(), " but acc has shape ", acc.sym_sizes(), "; they must match");
+}
+
+bool spans_intersect(const at::Tensor& a, const at::Tensor& b);
+
+// acc is written while grad is read: no element of acc may be written twice (an expanded view),
+// and grad may be acc itself but no other view of acc's memory. Conservative: grads that
+// interleave with acc without touching it are refused too, on every path alike.
+void check_pair_memory(const at::Tensor& acc, const at::Tensor& grad) {
+  TORCH_CHECK(at::has_internal_overlap(acc) != at::MemOverlap::Yes, "gradaccel.scale_accumulate_: ",
+              "acc has overlapping elements (an expanded view); accumulate into a tensor that owns its memory");
+  const bool same = acc.const_data_ptr() == grad.const_data_ptr() && acc.strides() == grad.strides() &&
+                    acc.scalar_type() == grad.scalar_type();
+  TORCH_CHECK(same || !spans_intersect(acc, grad), "gradaccel.scale_accumulate_: grad partially ",
+              "overlaps acc (some elements refer to a single memory location); pass a grad that does ",
+              "not alias acc");
 }
 
 // Any strides: TensorIterator coalesces dims, splits work across threads, and hands us
@@ -147,8 +177,7 @@ void scale_accumulate_strided(const at::Tensor& acc, const at::Tensor& grad, flo
 
 void scale_accumulate_cpu(const at::Tensor& acc, const at::Tensor& grad, double scale) {
   check_pair(acc, grad);
-  at::assert_no_internal_overlap(acc);
-  at::assert_no_partial_overlap(acc, grad);
+  check_pair_memory(acc, grad);
   const int64_t n = acc.numel();
   if (n == 0) return;
   const float s = static_cast<float>(scale);
@@ -166,15 +195,15 @@ void scale_accumulate_cpu(const at::Tensor& acc, const at::Tensor& grad, double 
 }
 
 void check_fold(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets) {
-  TORCH_CHECK(flat.scalar_type() == at::kFloat, "gradaccel.fold_: flat must be float32, got ",
-              flat.scalar_type());
-  TORCH_CHECK(flat.dim() == 1, "gradaccel.fold_: flat must be 1-D, got shape ", flat.sym_sizes());
-  TORCH_CHECK(grads.size() == offsets.size(), "gradaccel.fold_: got ", grads.size(), " grads but ",
-              offsets.size(), " offsets; pass one offset per grad");
+  check_buffer("fold_", "flat", flat);
+  TORCH_CHECK_VALUE(flat.dim() == 1 && flat.is_contiguous(), "gradaccel.fold_: flat must be a 1-D ",
+                    "contiguous buffer, got shape ", flat.sym_sizes(), flat.is_contiguous() ? "" : " (non-contiguous)");
+  TORCH_CHECK_VALUE(grads.size() == offsets.size(), "gradaccel.fold_: got ", grads.size(), " grads but ",
+                    offsets.size(), " offsets; pass one offset per grad");
   for (size_t i = 0; i < grads.size(); ++i) {
-    check_grad_dtype(grads[i], "fold_: every grad");
-    TORCH_CHECK(grads[i].device() == flat.device(), "gradaccel.fold_: grads[", i, "] is on ",
-                grads[i].device(), " but flat is on ", flat.device());
+    check_grad(grads[i], "fold_: grads[" + std::to_string(i) + "]");
+    TORCH_CHECK_VALUE(grads[i].device() == flat.device(), "gradaccel.fold_: grads[", i, "] is on ",
+                      grads[i].device(), " but flat is on ", flat.device());
   }
 }
 
@@ -209,19 +238,18 @@ void check_fold_layout(const at::Tensor& flat, at::TensorList grads, at::IntArra
   for (size_t i : order) {
     const int64_t n = grads[i].numel();
     if (n == 0) continue;
-    TORCH_CHECK(offsets[i] >= 0 && offsets[i] <= total - n, "gradaccel.fold_: grads[", i,
-                "] (", n, " elements) at offset ", offsets[i], " does not fit in flat (", total,
-                " elements)");
-    TORCH_CHECK(offsets[i] >= end_prev, "gradaccel.fold_: the slice of grads[", i, "] at offset ",
-                offsets[i], " overlaps the previous grad's slice (ending at ", end_prev,
-                "); slices must be disjoint");
+    TORCH_CHECK_VALUE(offsets[i] >= 0 && offsets[i] <= total - n, "gradaccel.fold_: grads[", i,
+                      "] (", n, " elements) at offset ", offsets[i], " does not fit in flat (", total,
+                      " elements)");
+    TORCH_CHECK_VALUE(offsets[i] >= end_prev, "gradaccel.fold_: the slice of grads[", i, "] at offset ",
+                      offsets[i], " overlaps another grad's slice (ending at ", end_prev,
+                      "); slices must be disjoint");
     end_prev = offsets[i] + n;
   }
 }
 
 void fold_cpu(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets, double scale) {
   check_fold(flat, grads, offsets);
-  TORCH_CHECK(flat.is_contiguous(), "gradaccel.fold_: flat must be contiguous");
   check_fold_layout(flat, grads, offsets);
   const float s = static_cast<float>(scale);
   float* base = flat.data_ptr<float>();
@@ -261,7 +289,6 @@ void fold_cpu(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offs
 void fold_plan(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets,
                int64_t block, const at::Tensor& plan) {
   check_fold(flat, grads, offsets);
-  TORCH_CHECK(flat.is_contiguous(), "gradaccel.fold_: flat must be contiguous");
   check_fold_layout(flat, grads, offsets);
   TORCH_CHECK(plan.device().is_cpu() && plan.scalar_type() == at::kLong && plan.dim() == 1 &&
                   plan.is_contiguous(), "gradaccel._fold_plan: plan must be a 1-D contiguous int64 CPU tensor");
@@ -316,20 +343,20 @@ void fold_plan(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef off
   p[3] = strided;
 }
 
+// A scale on the CPU is accepted for a buffer on any device (the Triton path copies it over).
 void check_finalize(const at::Tensor& flat, const at::Tensor& scale) {
-  TORCH_CHECK(flat.scalar_type() == at::kFloat, "gradaccel.finalize_: flat must be float32, got ",
-              flat.scalar_type());
-  TORCH_CHECK(scale.dim() == 0, "gradaccel.finalize_: scale must be a 0-d tensor, got shape ",
-              scale.sym_sizes());
-  TORCH_CHECK(at::isFloatingType(scale.scalar_type()), "gradaccel.finalize_: scale must be a ",
-              "floating-point tensor, got ", scale.scalar_type());
+  check_buffer("finalize_", "flat", flat);
+  TORCH_CHECK_VALUE(flat.is_contiguous(), "gradaccel.finalize_: flat must be contiguous (the flat ",
+                    "accumulation buffer)");
+  TORCH_CHECK_VALUE(scale.dim() == 0 && at::isFloatingType(scale.scalar_type()), "gradaccel.finalize_: ",
+                    "scale must be a 0-d floating-point tensor, got shape ", scale.sym_sizes(),
+                    " and dtype ", dtype_name(scale.scalar_type()));
+  TORCH_CHECK_VALUE(scale.device() == flat.device() || scale.device().is_cpu(), "gradaccel.finalize_: ",
+                    "scale is on ", scale.device(), " but flat is on ", flat.device());
 }
 
 std::tuple<at::Tensor, at::Tensor> finalize_cpu(const at::Tensor& flat, const at::Tensor& scale) {
   check_finalize(flat, scale);
-  TORCH_CHECK(flat.is_contiguous(), "gradaccel.finalize_: flat must be contiguous");
-  TORCH_CHECK(scale.device().is_cpu(), "gradaccel.finalize_: scale is on ", scale.device(),
-              " but flat is on the CPU");
   // As float32, like the CUDA kernel: a double scale past float's range is inf there too.
   const float s = static_cast<float>(scale.item<double>());
   const int64_t n = flat.numel();
@@ -390,6 +417,12 @@ void fold_plan_meta(const at::Tensor& flat, at::TensorList grads, at::IntArrayRe
                     int64_t, const at::Tensor&) {
   check_fold(flat, grads, offsets);
 }
+// For the Triton kernels, which Python launches directly: the same checks as the CPU kernels.
+void check_scale_accumulate(const at::Tensor& acc, const at::Tensor& grad) {
+  check_pair(acc, grad);
+  if (!acc.is_meta()) check_pair_memory(acc, grad);
+}
+
 std::tuple<at::Tensor, at::Tensor> finalize_meta(const at::Tensor& flat, const at::Tensor& scale) {
   check_finalize(flat, scale);
   return {at::empty({}, flat.options().dtype(at::kDouble)), at::empty({}, flat.options().dtype(at::kBool))};
@@ -403,11 +436,16 @@ TORCH_LIBRARY(gradaccel, m) {
   m.def("finalize_(Tensor(a!) flat, Tensor scale) -> (Tensor, Tensor)");
   // Internal: the Triton fold's launch plan (a CPU tensor whatever the device of flat).
   m.def("_fold_plan(Tensor flat, Tensor[] grads, int[] offsets, int block, Tensor(a!) plan) -> ()");
+  // Internal: the argument checks of scale_accumulate_ and finalize_, for their Triton kernels.
+  m.def("_check_scale_accumulate(Tensor acc, Tensor grad) -> ()");
+  m.def("_check_finalize(Tensor flat, Tensor scale) -> ()");
 }
 
 // Any backend: the plan only reads tensor metadata and addresses.
 TORCH_LIBRARY_IMPL(gradaccel, CompositeExplicitAutograd, m) {
   m.impl("_fold_plan", &fold_plan);
+  m.impl("_check_scale_accumulate", &check_scale_accumulate);
+  m.impl("_check_finalize", &check_finalize);
 }
 
 TORCH_LIBRARY_IMPL(gradaccel, CPU, m) {

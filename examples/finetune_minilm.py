@@ -89,7 +89,7 @@ def main():
     print(f"held-out accuracy before: {accuracy(model, tok, held_out, args.max_length):.3f}")
 
     model.train()
-    order, i, window, window_loss = random.Random(args.seed), 0, 0, 0.0
+    order, i, window = random.Random(args.seed), 0, 0
     while window < args.steps:
         if i + args.micro_batch > len(train):
             order.shuffle(train)
@@ -99,11 +99,9 @@ def main():
         batch = tok(list(texts), padding=True, truncation=True, max_length=args.max_length, return_tensors="pt")
         loss = F.cross_entropy(model(batch["input_ids"], batch["attention_mask"]), torch.tensor(labels))
         loss.backward()
-        window_loss += loss.item()
-        if opt.step():
+        if opt.step(loss=loss):  # the window's loss comes back as opt.window_loss
             window += 1
-            print(f"step {window:3d}  loss {window_loss / args.accum_steps:.4f}", flush=True)
-            window_loss = 0.0
+            print(f"step {window:3d}  loss {opt.window_loss:.4f}", flush=True)
         opt.zero_grad()
     print(f"held-out accuracy after: {accuracy(model, tok, held_out, args.max_length):.3f}")
 

@@ -102,20 +102,18 @@ def main():
     gen = torch.Generator().manual_seed(args.seed)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    window_loss, window, tokens, start = 0.0, 0, 0, time.perf_counter()
+    window, tokens, start = 0, 0, time.perf_counter()
     while window < args.steps:
         starts = torch.randint(0, len(data) - args.seq - 1, (args.micro_batch,), generator=gen)
         chunk = torch.stack([data[s:s + args.seq + 1] for s in starts.tolist()]).to(device)
         loss = model(chunk[:, :-1], chunk[:, 1:])
         loss.backward()
-        window_loss += loss.item()
         tokens += chunk[:, 1:].numel()
-        if opt.step():  # True at the end of a window: the update happened
+        if opt.step(loss=loss):  # True at the end of a window: the update happened
             window += 1
-            mean = window_loss / args.accum_steps
+            mean = opt.window_loss  # the window's loss, weighted as its gradient: the big batch's
             print(f"step {window:4d}  loss {mean:.4f}  ppl {math.exp(min(mean, 50)):.1f}  "
                   f"grad-norm {opt.last_grad_norm:.3f}", flush=True)
-            window_loss = 0.0
         opt.zero_grad()
     if device == "cuda":
         torch.cuda.synchronize()

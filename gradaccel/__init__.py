@@ -5,16 +5,18 @@
   applies it to every transformer block of a model; :func:`plan_report` shows the plans.
 - :class:`FusedAccumOptimizer`: wraps any ``torch.optim`` optimizer so that gradients are
   accumulated exactly in one fp32 buffer while the training loop stays the stock one.
+- :func:`gradaccel.hf.enable`: one line puts a Hugging Face Trainer (TRL's too) or an
+  accelerate loop on gradaccel's accumulation, clipping and checkpoint.
 - :mod:`gradaccel.ops`: the fused accumulate kernels (C++ on CPU, Triton on CUDA).
 """
 
 from gradaccel.version import __version__
-from gradaccel import ops
+from gradaccel import hf, ops
 from gradaccel.blocks import checkpoint_blocks
 from gradaccel.checkpoint import checkpoint, checkpoint_sequential, plan_report, plan_rows, reset_plans
 from gradaccel.optimizer import FusedAccumOptimizer, WindowScheduler
 
 __all__ = [
-    "__version__", "ops", "checkpoint", "checkpoint_sequential", "checkpoint_blocks", "plan_report",
+    "__version__", "hf", "ops", "checkpoint", "checkpoint_sequential", "checkpoint_blocks", "plan_report",
     "plan_rows", "reset_plans", "FusedAccumOptimizer", "WindowScheduler",
 ]

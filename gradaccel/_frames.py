@@ -9,6 +9,8 @@ the trace; ``_OffloadFrame`` adds host memory. See gradaccel/checkpoint.py for t
 import weakref
 
 import torch
+import torch.utils.checkpoint as _tc
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from gradaccel._plan import Plan, _view, make_plan
@@ -22,7 +24,10 @@ class Saved:
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor):
-        self.tensor = t.detach()  # detached: the tensor itself would make a reference cycle
+        # One that requires grad is detached (it would make a reference cycle through its
+        # grad_fn); any other is the object itself, as torch hands back: a frozen nn.Parameter
+        # keeps its class and Python attributes, and `is` holds.
+        self.tensor = t.detach() if t.requires_grad else t
         self.version = t._version
 
     def unpack(self) -> torch.Tensor:
@@ -40,13 +45,18 @@ class Frame:
     def __init__(self, plan: Plan, flat: list, rng):
         self.plan = plan
         self.leaves = {sid: flat[i] for sid, i in plan.arg_leaves}
-        self.pack_leaves = plan.pack_leaves
+        self.pack_leaves = {**plan.out_pack_leaves, **plan.pack_leaves}
         self.out_leaves = plan.out_leaves
         self.rng = rng
         self.k = 0
         self.diverged = False
         self.results = None
         self.versions: dict = {}
+        self.finished = False  # False while the forward runs: a backward then is inside it
+
+    def opaque(self, forward, args, kwargs, name):
+        """Runs a split-off submodule (see gradaccel/checkpoint.py) as its own checkpoint."""
+        return _tc.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
@@ -68,6 +78,13 @@ class Frame:
     def unpack(self, x):
         if type(x) is not int:
             return x.unpack()
+        if not self.finished:  # a backward inside the forward (a gradient penalty): only what it needs
+            try:
+                return self.plan.replay(self.leaves, self.rng, packs=[x])[x]
+            except KeyError:
+                raise RuntimeError(
+                    "gradaccel.checkpoint: a backward inside the region's forward needs a tensor the region "
+                    "has not made yet; use budget=0 (torch.utils.checkpoint) for this region.") from None
         if self.results is None or x not in self.results:
             self._check_leaves()
             self.results = self.plan.replay(self.leaves, self.rng)
@@ -98,6 +115,7 @@ class Frame:
             for sid, j in self.out_leaves:
                 self.leaves[sid] = outs[j].detach()
         self.versions = _versions(self.leaves, self.plan)
+        self.finished = True
         return not self.diverged and self.k == len(self.plan.keep)
 
 
@@ -201,10 +219,25 @@ class TraceFrame(Frame):
         self.results = None
         self.versions: dict = {}
         self.taken_back: dict = {}  # output storage -> Saved, as the forward left it
+        self.finished = False
+        self.so_far = (None, None, None)  # (trace size, plan, leaves) for a backward inside the forward
+
+    def opaque(self, forward, args, kwargs, name):
+        """A split-off submodule: run as its own checkpoint, unrecorded, and noted as one op."""
+        was, self.recorder.paused = self.recorder.paused, True
+        self.graph.in_opaque += 1
+        try:
+            out = _tc.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        finally:
+            self.recorder.paused = was
+            self.graph.in_opaque -= 1
+        if not was:
+            self.graph.record_opaque(name, args, kwargs, out)
+        return out
 
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
-        self.recorder.paused = True  # our own detach() is not part of the region
+        was, self.recorder.paused = self.recorder.paused, True  # our own detach() is not part of the region
         try:
             graph = self.graph
             sid = graph.add_pack(t)
@@ -217,7 +250,7 @@ class TraceFrame(Frame):
             self.kept[k] = saved.tensor
             return saved
         finally:
-            self.recorder.paused = False
+            self.recorder.paused = was
 
     def finish(self, out) -> bool:
         graph = self.graph
@@ -241,10 +274,37 @@ class TraceFrame(Frame):
                 self.taken_back[s] = Saved(self.leaves[s])  # checked at unpack, like a kept tensor
         self.versions = _versions(self.leaves, self.plan)
         self.flat = self.kept = None
+        self.finished = True
         return True
+
+    def _unpack_in_forward(self, x):
+        """A backward inside the forward (a gradient penalty, a nested checkpoint's early
+        stop): rebuilds the dropped tensors saved so far from a plan of the trace so far."""
+        was, self.recorder.paused = self.recorder.paused, True  # the replay is not part of the region
+        try:
+            key = (len(self.graph.ops), len(self.graph.packs))  # the trace so far
+            if self.so_far[0] != key:
+                plan = make_plan(self.graph, 0, dropped=self.dropped)
+                leaves = {}
+                for sid, (kind, i) in plan.leaf_sources.items():
+                    if kind == "arg":
+                        leaves[sid] = self.flat[i]
+                    elif kind == "pack":
+                        leaves[sid] = self.kept[i]
+                self.so_far = (key, plan, leaves)
+            _, plan, leaves = self.so_far
+            t = plan.replay(leaves, self.rng, packs=[x])[x]
+        finally:
+            self.recorder.paused = was
+        # What the backward computes from it reads the saved tensor's storage, not a new one.
+        sid = self.graph.packs[x].storage
+        self.graph._live[t.untyped_storage()._cdata] = (StorageWeakRef(t.untyped_storage()), sid)
+        return t
 
     @torch._disable_dynamo
     def unpack(self, x):
+        if not self.finished:
+            return x.unpack() if type(x) is not int else self._unpack_in_forward(x)
         if type(x) is int and self.plan.keep[x]:  # an output's storage, dropped before it was one
             p = self.graph.packs[x]
             saved = self.taken_back.get(p.storage)

@@ -64,11 +64,42 @@ class Plan:
         changed (e.g. a closure captured a new tensor) and must be traced again."""
         return all(src[1]() is not None for src in self.leaf_sources.values() if src[0] == "obj")
 
+    @functools.cached_property
+    def out_pack_leaves(self) -> dict[int, int]:
+        """Outputs replay reads, by the first pack of their storage: a backward inside the
+        forward (before the outputs are returned) finds them there."""
+        first = {}
+        for k, p in enumerate(self.graph.packs):
+            first.setdefault(p.storage, k)
+        return {first[sid]: sid for sid, src in self.leaf_sources.items() if src[0] == "out" and sid in first}
+
+    @functools.cached_property
+    def _produced(self) -> dict:
+        """op id -> the values it makes (new storages and in-place writes)."""
+        produced: dict = {}
+        for vid, (_, op_id) in enumerate(self.graph.values):
+            produced.setdefault(op_id, []).append(vid)
+        return produced
+
+    def steps_for(self, packs) -> list:
+        """The replay steps that the saved tensors ``packs`` (pack indices) need, in order: a
+        backward inside the forward rebuilds only those, from what the forward has made so far."""
+        graph, produced = self.graph, self._produced
+        need = {graph.packs[k].value for k in packs}
+        chosen = []
+        for op_id in reversed(self.steps):
+            if any(v in need for v in produced.get(op_id, ())):
+                chosen.append(op_id)
+                need.update(graph.ops[op_id].reads)
+        return chosen[::-1]
+
     # -- replay ------------------------------------------------------------------------------
-    def replay(self, leaves: dict, rng_state) -> dict:
-        """Rebuilds every dropped saved tensor. ``leaves`` maps storage ids to tensors held by
-        the forward (kept tensors, arguments, outputs). Returns {pack index: tensor}."""
+    def replay(self, leaves: dict, rng_state, packs=None) -> dict:
+        """Rebuilds every dropped saved tensor (or only those in ``packs``, pack indices).
+        ``leaves`` maps storage ids to tensors held by the forward (kept tensors, arguments,
+        outputs). Returns {pack index: tensor}."""
         graph, env = self.graph, {}
+        steps = self.steps if packs is None else self.steps_for(packs)
         for sid, src in self.leaf_sources.items():
             if src[0] == "obj":
                 t = src[1]()
@@ -78,15 +109,16 @@ class Plan:
                         "before backward; pass it to the region as an argument.")
                 leaves[sid] = t
         with torch.no_grad(), _autocast_off(graph.devices), _rng_restored(rng_state):
-            for op_id in self.steps:
+            for op_id in steps:
                 op = graph.ops[op_id]
                 args = [self._arg(op_id, i, x, env, leaves) for i, x in enumerate(op.leaves)]
                 a, kw = tree_unflatten(args, op.spec)
                 out_leaves = tree_flatten(op.func(*a, **kw))[0]
                 for sid, i in op.new_storages:
                     env[sid] = out_leaves[i]
-        return {k: _view(env[p.storage], p.size, p.stride, p.offset, p.dtype)
-                for k, p in enumerate(graph.packs) if not self.keep[k] and p.storage not in self.offloaded}
+        wanted = range(len(graph.packs)) if packs is None else packs
+        return {k: _view(env[graph.packs[k].storage], *_geometry(graph.packs[k])) for k in wanted
+                if not self.keep[k] and graph.packs[k].storage not in self.offloaded}
 
     def _arg(self, op_id, i, x, env, leaves):
         if not isinstance(x, Ref):
@@ -96,6 +128,10 @@ class Plan:
             return torch.empty_strided(x.size, x.stride, dtype=x.dtype, device=x.device)
         base = env[x.storage] if where == "replay" else leaves[x.storage]
         return _view(base, x.size, x.stride, x.offset, x.dtype)
+
+
+def _geometry(p) -> tuple:
+    return p.size, p.stride, p.offset, p.dtype
 
 
 def _view(base: torch.Tensor, size, stride, offset, dtype) -> torch.Tensor:

@@ -212,12 +212,12 @@ class ShardedWindow:
                                "accum_steps")
         return table[:, 3].sum().item() / self.world, (table[:, 4:].amax(0) > 0).tolist()
 
-    def global_norm(self, sumsq: float, nonfinite: float) -> tuple[float, float]:
-        """Sum of squares and non-finite flag over all shards (every rank gets the same)."""
-        t = torch.tensor([sumsq, nonfinite], dtype=torch.float64)
+    def global_sums(self, values: list[float]) -> list[float]:
+        """``values`` (sum of squares, non-finite flag, ...) summed over all ranks, in one small
+        all-reduce; every rank gets the same."""
+        t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, group=self._side_group())
-        ss, nf = t.tolist()
-        return ss, nf
+        return t.tolist()
 
     def _side_group(self):
         side = self._side()

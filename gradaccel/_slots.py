@@ -13,9 +13,14 @@ import weakref
 from typing import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gradaccel import ops
 from gradaccel._sharded import local
+
+# Which GradSlots folds each parameter, without writing onto the user's Parameters. By identity:
+# a WeakKeyDictionary would compare tensors with ==, elementwise.
+_OWNERS = WeakIdKeyDictionary()
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
@@ -131,13 +136,13 @@ class GradSlots:
             if p.device != device:
                 raise ValueError(f"all parameters must be on one device (one flat buffer); "
                                  f"got {device} and {p.device}")
-            owner = getattr(p, "_gradaccel_owner", None)
+            owner = _OWNERS.get(p)
             other = owner() if owner is not None else None
             if other is not None and other is not self:
                 warnings.warn("a parameter was managed by another FusedAccumOptimizer; its hooks "
                               "are removed and this one takes over", UserWarning, stacklevel=3)
                 other.remove_hooks()
-            p._gradaccel_owner = weakref.ref(self)
+            _OWNERS[p] = weakref.ref(self)
             target = p
             if self.master_weights and p.dtype in _LOW_PRECISION:
                 target = p.detach().clone().float()  # laid out like p, and so like its slice

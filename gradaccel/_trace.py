@@ -9,6 +9,7 @@ Used once per input signature (see gradaccel/checkpoint.py); later calls run wit
 """
 
 import dataclasses
+import time
 import weakref
 from typing import Any
 
@@ -21,27 +22,36 @@ from torch.utils.flop_counter import flop_registry
 
 aten = torch.ops.aten
 
+
+def _existing(*names: str) -> frozenset:
+    """The named aten op packets this torch build has: private ones come and go between releases,
+    and a missing one must not make `import gradaccel` fail (it cannot be traced either)."""
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
 # Ops that use only the metadata (size, stride, dtype, device) of their tensor argument: replay
 # feeds them an uninitialised stand-in, so e.g. dropout's `empty_like(x)` does not pull x in.
-_METADATA_ONLY = {
-    aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like,
-    aten.randn_like, aten.randint_like, aten.new_empty, aten.new_zeros, aten.new_ones,
-    aten.new_full, aten.new_empty_strided,
-}
+_METADATA_ONLY = _existing(
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided",
+)
 # Ops that update state they were not handed as mutable (batch norm's running statistics):
 # replaying one would update it twice, so their results are kept, never recomputed.
-_STATEFUL = {
-    aten.native_batch_norm, aten._native_batch_norm_legit, aten._batch_norm_with_update,
-    aten.cudnn_batch_norm, aten.miopen_batch_norm, aten._batch_norm_impl_index,
-}
+_STATEFUL = _existing(
+    "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "cudnn_batch_norm",
+    "miopen_batch_norm", "_batch_norm_impl_index",
+)
 # Ops whose outputs depend on grad mode: replay runs under no_grad, where the RNN kernels
 # return no workspace. Their results are kept, never recomputed.
-_GRAD_MODE_DEPENDENT = {aten.mkldnn_rnn_layer, aten._cudnn_rnn, aten.miopen_rnn}
+_GRAD_MODE_DEPENDENT = _existing("mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn")
 # Ops whose results depend on data in a way a recorded constant would freeze (a Python scalar
 # read from a tensor, as `.item()` and `if tensor:` do, or a data-dependent shape): a trace with
 # one cannot be replayed on later calls. (Ints that only restate shapes, such as the sequence
 # lengths flash attention returns, are fine: shapes are part of the input signature.)
 _DYNAMIC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+# Ops tagged with a dynamic output shape that is static for integer indices: the output takes the
+# indices' shape, and replay reads the indices of the call it rebuilds (MoE routing, x[..., [-2]]).
+_INDEX_OPS = _existing("index", "_unsafe_index")
 # Machine balance of the recompute cost model: one byte moved costs as much as this many FLOPs.
 FLOPS_PER_BYTE = {"cpu": 8.0, "cuda": 100.0}
 
@@ -86,6 +96,18 @@ class Op:
     cost: float
     replayable: bool
     random: bool
+    priced: str = "formula"  # how `flops` was found: "formula", "measured" or "bound"
+    module: str = ""  # the submodule of the region that ran it ("mlp.gate_proj"), for reports
+
+
+@dataclasses.dataclass(frozen=True)
+class Opaque:
+    """The ``func`` of an op recorded by :meth:`Graph.record_opaque`."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +129,11 @@ class Graph:
         self.packs: list[Pack] = []
         self.outputs: dict[int, int] = {}  # storage -> index among flattened outputs
         self.dynamic = False
+        self.dynamic_reason = ""  # the first op (or Python read) that made the trace data dependent
+        self.dynamic_module = None  # weak reference to the innermost module that ran it
+        self.module_stack: list = []  # modules whose forward is running (kept by hooks while tracing)
+        self.in_opaque = 0  # > 0 inside a submodule that runs as its own torch.utils.checkpoint
+        self.module_names: dict[int, str] = {}  # id(submodule) -> its name in the region, for reports
         # Set by finish(): the region's activations (storage ids), their bytes, its devices.
         self.activations: list[int] = []
         self.activation_bytes = 0
@@ -168,15 +195,15 @@ class Graph:
         return Ref(*self._view_of(t), t.device, meta_only)
 
     # -- recording ---------------------------------------------------------------------------
-    def record(self, func, args, kwargs, out) -> None:
+    def record(self, func, args, kwargs, out, seconds=None) -> None:
         op_id = len(self.ops)
         leaves, spec = tree_flatten((args, kwargs))
         meta_only = func.overloadpacket in _METADATA_ONLY
         refs = [self.ref(x, meta_only) if isinstance(x, torch.Tensor) else x for x in leaves]
         reads = [r.value for r in refs if isinstance(r, Ref) and not r.meta_only]
         random = torch.Tag.nondeterministic_seeded in func.tags
-        if any(tag in func.tags for tag in _DYNAMIC_TAGS):
-            self.dynamic = True
+        if any(tag in func.tags for tag in _DYNAMIC_TAGS) and not _integer_index(func, args, kwargs):
+            self.mark_dynamic(str(func))
         written = self._written_storages(func, args, kwargs)
         replayable = (func.overloadpacket not in _STATEFUL and func.overloadpacket not in _GRAD_MODE_DEPENDENT
                       and all(self.storages[s].creator >= 0 for s in written))
@@ -184,7 +211,8 @@ class Graph:
         if any(_lazy_bits(t) for t in (*leaves, *out_leaves)):
             # A conjugate or negative view: replay sees storages, not these bits. Keep what such
             # ops make, and leave later calls to torch.utils.checkpoint.
-            replayable, self.dynamic = False, True
+            replayable = False
+            self.mark_dynamic(f"{func} (a conjugate or negative view)")
         if random:
             reads.append(self.current(Graph.RNG))
             replayable = replayable and self.preserve_rng_state
@@ -200,11 +228,41 @@ class Graph:
             self._new_value(s, op_id)
         if random:
             self._new_value(Graph.RNG, op_id)
-        flops = _flops(func, args, kwargs, out)
+        flops, priced = _flops(func, args, kwargs, out, seconds)
         device = next((r.device for r in refs if isinstance(r, Ref)), None)
         balance = FLOPS_PER_BYTE["cpu"] if device is None or device.type == "cpu" else FLOPS_PER_BYTE["cuda"]
         cost = flops + balance * nbytes
-        self.ops.append(Op(func, spec, refs, reads, new_storages, flops, cost, replayable, random))
+        self.ops.append(Op(func, spec, refs, reads, new_storages, flops, cost, replayable, random, priced,
+                           self._where()))
+
+    def _where(self) -> str:
+        """The name in the region of the innermost running submodule that has one ("" outside any)."""
+        for m in reversed(self.module_stack):
+            name = self.module_names.get(id(m))
+            if name:
+                return name
+        return ""
+
+    def mark_dynamic(self, reason: str) -> None:
+        """Marks the trace as not replayable on later calls, because of ``reason`` (the first
+        one is what a fallback warning names)."""
+        if not self.dynamic:
+            self.dynamic, self.dynamic_reason = True, reason
+            if self.module_stack:
+                self.dynamic_module = weakref.ref(self.module_stack[-1])
+
+    def record_opaque(self, name: str, args, kwargs, out) -> None:
+        """Records a submodule call that ran as its own ``torch.utils.checkpoint`` as one op that
+        replay never runs: what it makes (and anything after it that reads the generator) is
+        kept where the plan needs it, like a stateful op's results."""
+        op_id = len(self.ops)
+        leaves, spec = tree_flatten((args, kwargs))
+        refs = [self.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        reads = [r.value for r in refs if isinstance(r, Ref)] + [self.current(Graph.RNG)]
+        new_storages = [(self._created(o, op_id), i) for i, o in enumerate(tree_flatten(out)[0])
+                        if isinstance(o, torch.Tensor)]
+        self._new_value(Graph.RNG, op_id)  # it may have drawn random numbers
+        self.ops.append(Op(Opaque(name), spec, refs, reads, new_storages, 0, 0.0, False, True))
 
     def _written_storages(self, func, args, kwargs) -> list[int]:
         written = []
@@ -220,7 +278,7 @@ class Graph:
 
     def add_pack(self, t: torch.Tensor) -> int:
         if _lazy_bits(t):
-            self.dynamic = True
+            self.mark_dynamic("a saved conjugate or negative view")
         pack = Pack(*self._view_of(t), node_kind(t))
         self.packs.append(pack)
         return pack.storage
@@ -282,6 +340,16 @@ def _lazy_bits(x) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_conj() or x.is_neg())
 
 
+def _integer_index(func, args, kwargs) -> bool:
+    """An indexing op whose indices are all integer tensors (no boolean mask): its output shape
+    is the indices' shape, not data dependent."""
+    if func.overloadpacket not in _INDEX_OPS:
+        return False
+    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+    return all(i is None or (isinstance(i, torch.Tensor) and not i.dtype.is_floating_point
+                             and i.dtype not in (torch.bool, torch.uint8)) for i in indices)
+
+
 def node_kind(t: torch.Tensor):
     """The type of autograd node that produced ``t``. Views count as one kind: which view node
     reshape records differs with a dispatch mode active (``ViewBackward0`` under the tracer,
@@ -296,18 +364,51 @@ def _nbytes(r: Ref) -> int:
     return n * r.dtype.itemsize
 
 
-def _flops(func, args, kwargs, out) -> int:
+def _flops(func, args, kwargs, out, seconds=None) -> tuple[int, str]:
+    """FLOPs of one op and how they were found: torch's formula; else, for an op outside aten
+    (bitsandbytes' gemm_4bit, fused Liger or flash-attn kernels, custom ops), its time measured
+    in the traced forward (CPU) at this machine's measured matmul rate, or a conservative bound
+    (CUDA, where a host timer does not see the kernel). Such an op is never free to recompute."""
     packet = func.overloadpacket
     if packet in flop_registry:
         try:
-            return int(flop_registry[packet](*args, **kwargs, out_val=out))
+            return int(flop_registry[packet](*args, **kwargs, out_val=out)), "formula"
         except Exception:  # an overload the counter does not know must not break the forward
-            return 0
-    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
+            return _flops_bound(args, kwargs, out), "bound"
+    if packet is getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None):
         # Not in torch's flop registry: two batched matmuls, QK^T and PV.
         q, k = args[0], args[1]
-        return 4 * q.numel() * k.shape[-2]
-    return 0
+        return 4 * q.numel() * k.shape[-2], "formula"
+    if getattr(func, "namespace", "aten") in ("aten", "prims"):
+        return 0, "formula"  # elementwise and data movement: priced by the bytes they move
+    if seconds is not None:
+        return max(1, int(seconds * _cpu_flop_rate())), "measured"
+    return _flops_bound(args, kwargs, out), "bound"
+
+
+def _flops_bound(args, kwargs, out) -> int:
+    """An upper-leaning bound for an op of unknown cost: a matmul's, 2 x output elements x the
+    longest inner (last) dimension among its tensor inputs (exact for a GEMM, high for the rest)."""
+    ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    inner = max((t.shape[-1] for t in ins), default=1)
+    return max(1, 2 * sum(t.numel() for t in outs) * inner)
+
+
+_RATE = []
+
+
+def _cpu_flop_rate() -> float:
+    """FLOP/s of a float32 matmul on this CPU, measured once (best of a few, about a millisecond)."""
+    if not _RATE:
+        a = torch.randn(128, 128)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            torch.mm(a, a)
+            best = min(best, time.perf_counter() - t0)
+        _RATE.append(2 * 128 ** 3 / max(best, 1e-9))
+    return _RATE[0]
 
 
 class DataReads(TorchFunctionMode):
@@ -321,8 +422,8 @@ class DataReads(TorchFunctionMode):
         self.graph = graph
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self._READS:
-            self.graph.dynamic = True
+        if func in self._READS and not self.graph.in_opaque:
+            self.graph.mark_dynamic(f"Tensor.{func.__name__}")
         return func(*args, **(kwargs or {}))
 
 
@@ -336,7 +437,15 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if self.paused or getattr(func, "namespace", "aten") in ("aten", "prims"):
+            out, seconds = func(*args, **kwargs), None
+        else:  # an op with no FLOP formula: its time prices it (see _flops)
+            t0 = time.perf_counter()
+            out = func(*args, **kwargs)
+            seconds = time.perf_counter() - t0
+        if seconds is not None and any(t.device.type != "cpu" for t in tree_flatten(out)[0]
+                                       if isinstance(t, torch.Tensor)):
+            seconds = None  # a host timer does not see an asynchronous kernel
         if not self.paused:
-            self.graph.record(func, args, kwargs, out)
+            self.graph.record(func, args, kwargs, out, seconds)
         return out

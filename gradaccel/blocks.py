@@ -21,7 +21,7 @@ import torch.nn as nn
 # set-up rather than in the middle of the first training step.
 from gradaccel.checkpoint import _check_budget, checkpoint
 
-__all__ = ["checkpoint_blocks"]
+__all__ = ["checkpoint_blocks", "set_budget", "release"]
 
 # One checkpointed subclass per original block class, so N blocks of one class share one type.
 _SUBCLASSES = {}
@@ -76,14 +76,22 @@ def _is_hf_checkpointable(module):
     return "gradient_checkpointing_func" in inspect.signature(module._set_gradient_checkpointing).parameters
 
 
-def _already_checkpointed(model):
+def _already_checkpointed(model, hf_models=()):
+    """Why ``model`` cannot be checkpointed again, or None. Hugging Face checkpointing with
+    another function inside one of ``hf_models`` is no reason: that function is taken over."""
+    inside_hf = {id(m) for hf in hf_models for m in hf.modules()}
     for name, m in model.named_modules():
         if getattr(type(m), "_gradaccel_subclass", None) is not None:
-            return f"{name or 'model'} is already checkpointed by checkpoint_blocks"
+            return f"{name or 'model'} is already checkpointed by gradaccel.checkpoint_blocks"
         if getattr(m, "gradient_checkpointing", False) is True:
-            return (f"{name or 'model'} already has Hugging Face gradient checkpointing on; call "
-                    "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before "
-                    "transformers 5) first")
+            func = getattr(m, "_gradient_checkpointing_func", None)
+            if isinstance(func, _HFCheckpoint):
+                return (f"gradaccel is already on for {name or 'model'} (checkpoint_blocks, budget="
+                        f"{func.budget!r}); set another budget with gradaccel.blocks.set_budget(model, budget)")
+            if id(m) not in inside_hf:
+                return (f"{name or 'model'} already has Hugging Face gradient checkpointing on; call "
+                        "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before "
+                        "transformers 5) first")
         if type(m).__name__ == "CheckpointWrapper":
             return f"{name or 'model'} is already wrapped by torch's checkpoint_wrapper"
     return None
@@ -104,18 +112,115 @@ class _HFCheckpoint:
                 and function.args and isinstance(function.args[0], nn.Module)):
             method = types.MethodType(function.func, function.args[0])
             function = functools.partial(method, *function.args[1:], **function.keywords)
+        kwargs.pop("use_reentrant", None)  # gradaccel is always non-reentrant
         return checkpoint(function, *args, budget=self.budget, **kwargs)
 
     def __repr__(self):
         return f"gradaccel.checkpoint(budget={self.budget!r})"
 
 
+def _is_torch_checkpoint(func):
+    # What transformers builds when told nothing special: partial(torch checkpoint, use_reentrant=...).
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+    while isinstance(func, functools.partial):
+        if set(func.keywords) - {"use_reentrant", "preserve_rng_state", "determinism_check", "debug"}:
+            return False
+        func = func.func
+    return func is torch_checkpoint
+
+
+_WARNED_REPLACED = set()
+
+
+def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=None, every_n_layers=1):
+    """Installed on a Hugging Face model by checkpoint_blocks: whoever turns HF checkpointing on
+    later (Trainer, TRL, peft, the user) gets gradaccel's checkpoint at the model's budget."""
+    ours = self._gradaccel_checkpoint
+    func = gradient_checkpointing_func
+    if enable and func is not None and func is not ours and not _is_torch_checkpoint(func):
+        key = repr(func)
+        if key not in _WARNED_REPLACED:  # once per kind of function
+            _WARNED_REPLACED.add(key)
+            import warnings
+            warnings.warn(f"gradaccel: {type(self).__name__}'s checkpointing was asked for with {func!r}; gradaccel's "
+                          f"checkpoint {ours!r} is used instead (its own keyword arguments, such as offload, are not). "
+                          "Use gradaccel.checkpoint(..., offload=True) through checkpoint_blocks for offloading, "
+                          "or activation_checkpointing_disable() and gradaccel.blocks.release(model) for HF's own",
+                          UserWarning, stacklevel=3)
+    type(self)._set_gradient_checkpointing(self, enable=enable, gradient_checkpointing_func=ours,
+                                           every_n_layers=every_n_layers)
+
+
+def _take_over(model, budget):
+    """Makes ``model``'s HF checkpointing gradaccel's, now (keeping which layers are on, e.g.
+    ``every_n_layers``) and whenever it is turned on again. Returns whether it was on."""
+    func = _HFCheckpoint(budget)
+    model._gradaccel_checkpoint = func
+    if "_set_gradient_checkpointing" not in vars(model):  # not twice; an older override stays seen
+        model._set_gradient_checkpointing = types.MethodType(_set_gradient_checkpointing, model)
+    was_on = False
+    for m in model.modules():
+        if hasattr(m, "gradient_checkpointing"):
+            m._gradient_checkpointing_func = func
+            was_on = was_on or m.gradient_checkpointing is True
+    return was_on
+
+
+def release(model):
+    """Undoes the take-over of Hugging Face checkpointing by ``checkpoint_blocks``/``gradaccel.hf``:
+    HF checkpointing is turned off and ``model._set_gradient_checkpointing`` is HF's again.
+
+    Args:
+        model (nn.Module): a model passed to ``checkpoint_blocks`` (or holding such models).
+    """
+    for m in model.modules():
+        if "_gradaccel_checkpoint" in vars(m):
+            m._set_gradient_checkpointing(enable=False)
+            del m._gradaccel_checkpoint
+            vars(m).pop("_set_gradient_checkpointing", None)
+
+
+def set_budget(model, budget):
+    """Changes the budget of a model checkpointed by ``checkpoint_blocks`` (either route).
+
+    Args:
+        model (nn.Module): the model.
+        budget (None | float | int): as in ``checkpoint_blocks``.
+
+    Returns:
+        int: how many checkpointed blocks or models got the new budget (0: none found).
+    """
+    _check_budget(budget)
+    n = 0
+    for m in model.modules():
+        if "_gradaccel_checkpoint" in vars(m):
+            _take_over(m, budget)
+            n += 1
+        elif getattr(type(m), "_gradaccel_subclass", None) is not None:
+            m._gradaccel_budget = budget
+            n += 1
+    return n
+
+
 def _hf_enable(model, budget):
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=_HFCheckpoint(budget))
+    _take_over(model, budget)
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=model._gradaccel_checkpoint)
     # As transformers does: checkpointed blocks fed by frozen embeddings (adapters, PEFT) must
     # still see inputs that require grad, or nothing upstream of the first block gets a gradient.
     if getattr(model, "main_input_name", None) == "input_ids" or getattr(model, "_hf_peft_config_loaded", False):
         model.enable_input_require_grads()
+
+
+def _hf_models(model):
+    """The outermost Hugging Face models in ``model`` that checkpoint through their own hook."""
+    if _is_hf_checkpointable(model):
+        return [model]
+    hf, inside = [], set()
+    for name, m in model.named_modules():
+        if name and not any(name.startswith(p + ".") for p in inside) and _is_hf_checkpointable(m):
+            hf.append(m)
+            inside.add(name)
+    return hf
 
 
 def _resolve_types(block_types):
@@ -203,9 +308,13 @@ def checkpoint_blocks(model, budget=None, block_types=None):
       recompute).
       ``state_dict()``, ``copy.deepcopy`` and ``torch.save(model)`` keep working.
 
-    Calling it on a model that is already checkpointed (by this function, by Hugging Face's
-    ``gradient_checkpointing_enable`` or by torch's ``checkpoint_wrapper``) raises ``RuntimeError``;
-    finding no block raises ``ValueError``. Nothing is ever wrapped twice.
+    Hugging Face checkpointing already on (turned on by peft's ``prepare_model_for_kbit_training``,
+    Trainer or TRL) is taken over: the layers it checkpoints now run ``gradaccel.checkpoint`` at
+    ``budget`` instead of torch's, once, and a later ``activation_checkpointing_enable()`` /
+    ``gradient_checkpointing_enable()`` on the model installs gradaccel's too (see
+    :func:`release` to undo). Calling it again on a model it already checkpoints, or on one
+    wrapped by torch's ``checkpoint_wrapper``, raises ``RuntimeError`` (use :func:`set_budget` to
+    change the budget); finding no block raises ``ValueError``. Nothing is ever wrapped twice.
 
     Args:
         model (nn.Module): the model, changed in place.
@@ -229,29 +338,27 @@ def checkpoint_blocks(model, budget=None, block_types=None):
     _check_budget(budget)
     if block_types is not None:
         block_types = _resolve_types(block_types)
-    reason = _already_checkpointed(model)
+    hf = _hf_models(model) if block_types is None or _is_hf_checkpointable(model) else []
+    reason = _already_checkpointed(model, hf)
     if reason is not None:
         raise RuntimeError(f"checkpoint_blocks: {reason}; calling it again would recompute blocks twice")
 
-    if _is_hf_checkpointable(model):
+    if hf:
         if block_types is not None:
             raise ValueError(
                 f"block_types must be None for {type(model).__name__}: Hugging Face models are checkpointed "
                 "through their own hook, which picks the layers")
-        _hf_enable(model, budget)
+        for m in hf:
+            # Already on (peft's prepare_model_for_kbit_training, Trainer, TRL): take over HF's
+            # function in place, keeping which layers are on; else turn it on with ours.
+            if not _take_over(m, budget):
+                _hf_enable(m, budget)
+            elif getattr(m, "main_input_name", None) == "input_ids" or getattr(m, "_hf_peft_config_loaded", False):
+                if not getattr(m, "_require_grads_hooks", None) and not getattr(m, "_require_grads_hook", None):
+                    m.enable_input_require_grads()
         return model
 
     if block_types is None:
-        # Outermost Hugging Face models inside a plain module (e.g. encoder + custom head).
-        hf, inside = [], set()
-        for name, m in model.named_modules():
-            if name and not any(name.startswith(p + ".") for p in inside) and _is_hf_checkpointable(m):
-                hf.append(m)
-                inside.add(name)
-        if hf:
-            for m in hf:
-                _hf_enable(m, budget)
-            return model
         blocks = _find_blocks(model)
         if not blocks:
             raise ValueError(

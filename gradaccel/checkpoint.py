@@ -13,7 +13,10 @@ How it works, per region (a callable) and input signature:
    tensors need, from kept tensors and inputs, and hands each one back.
 
 A region whose trace reads data into Python (``.item()``, data-dependent shapes) cannot be
-replayed from a trace: later calls use ``torch.utils.checkpoint`` (or keep all, if it fits).
+replayed from a trace. If that op ran in a submodule, the submodule is split off: it runs as its
+own ``torch.utils.checkpoint`` inside the region, which is traced again and planned. Otherwise
+later calls use ``torch.utils.checkpoint`` (or keep all, if it fits). Either is warned about,
+naming the op. A backward inside the forward (a gradient penalty) replays what it unpacks.
 """
 
 import collections
@@ -31,11 +34,15 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel._frames import Frame, OffloadFrame, TraceFrame, store_for
 from gradaccel._plan import Plan, capture_rng, make_plan, offload_cost_per_byte, rng_bytes
-from gradaccel._trace import DataReads, Graph
+from gradaccel._split import active, module_stack, split_off
+from gradaccel._trace import DataReads, Graph, Opaque
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
 
-_TORCH_ONLY_KWARGS = ("context_fn", "determinism_check", "debug", "early_stop")
+# torch.utils.checkpoint's own options, with their defaults: a call that sets one to anything
+# else runs as torch.utils.checkpoint, which implements it (warned once).
+_TORCH_ONLY_KWARGS = {"context_fn": _tc.noop_context_fn, "determinism_check": "default", "debug": False,
+                      "early_stop": True}
 _warned: set = set()
 
 
@@ -55,7 +62,16 @@ def _check_budget(budget):
         raise ValueError(f"budget as a fraction must lie in [0, 1], got {budget!r}")
     if isinstance(budget, int) and budget < 0:
         raise ValueError(f"budget in bytes must be >= 0, got {budget!r}")
+    if isinstance(budget, int) and 0 < budget < 1024 and budget not in _WARNED_SMALL:
+        # budget=1 reads like "everything" but an int is bytes: say so once, loudly.
+        _WARNED_SMALL.add(budget)
+        warnings.warn(f"budget={budget!r} is an int, so it means {budget} bytes per region (keep almost "
+                      "nothing), not a fraction; write a float for a fraction (budget=1.0 keeps everything)", UserWarning,
+                      stacklevel=3)
     return budget
+
+
+_WARNED_SMALL = set()
 
 
 # -- regions: one per (callable, input signature) --------------------------------------------
@@ -92,9 +108,19 @@ class _Region:
             _warn_once(("fits", self.name),
                        f"gradaccel.checkpoint: {self.name} keeps {plan.kept_bytes} bytes, over its budget of "
                        f"{plan.budget_bytes}: it saves tensors that cannot be recomputed (ops that update "
-                       "state, such as batch norm's running statistics, or RNN kernels). Raise the budget for "
+                       "state, such as batch norm's running statistics, RNN kernels, or a submodule split off "
+                       "as its own torch.utils.checkpoint and random ops after it). Raise the budget for "
                        "this region.")
         return plan
+
+
+def _describe(reason: str) -> str:
+    """The op that made a trace data dependent, with the Python that usually runs it."""
+    hints = {"aten._local_scalar_dense": "Tensor.item(), or a tensor used as a Python number or bool",
+             "aten.nonzero": "nonzero(), torch.where(mask) or boolean-mask indexing",
+             "aten.index.Tensor": "boolean-mask indexing"}
+    hint = next((h for op, h in hints.items() if reason.startswith(op)), None)
+    return f"{reason} ({hint})" if hint else reason
 
 
 MAX_PLANS = 64  # signatures (plans) kept per callable; the least recently used goes first
@@ -254,7 +280,13 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
         _warn_once("reentrant", "gradaccel.checkpoint: use_reentrant=True is not supported; "
                                 "the non-reentrant implementation is used.")
     torch_only = {k: kwargs.pop(k) for k in _TORCH_ONLY_KWARGS if k in kwargs}
-    if (budget == 0 and not offload) or torch_only or not torch.is_grad_enabled():
+    changed = sorted(k for k, v in torch_only.items() if v is not _TORCH_ONLY_KWARGS[k] and v != _TORCH_ONLY_KWARGS[k])
+    if changed and (budget != 0 or offload):
+        _warn_once(("torch_only", tuple(changed)),
+                   f"gradaccel.checkpoint: {', '.join(changed)} is an option of torch.utils.checkpoint only: the "
+                   "region runs as torch.utils.checkpoint (whole-region recompute, budget unused). Leave it at "
+                   "its default for a selective plan.")
+    if (budget == 0 and not offload) or changed or not torch.is_grad_enabled():
         return _tc.checkpoint(function, *args, use_reentrant=False,
                               preserve_rng_state=preserve_rng_state, **torch_only, **kwargs)
     fn, args, kwargs = _unwrap(function, args, kwargs)
@@ -270,6 +302,8 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
     if region is not None:
         regions[key] = region  # most recently used last: the cache drops from the front
         region.calls += 1
+        if getattr(region, "retired", False):  # back to an earlier plan: it is the one to show
+            _show_only(regions, region)
         if region.plan is None:
             return _run_dynamic(region, fn, args, kwargs, preserve_rng_state)
         if region.plan.externals_alive():
@@ -283,10 +317,10 @@ def _run_planned(region, regions, key, fn, args, kwargs, flat):
     rng = capture_rng(plan.graph.devices) if plan.needs_rng else None
     frame = Frame(plan, flat, rng) if region.store is None or not plan.offloaded else \
         OffloadFrame(plan, flat, rng, region.store)
-    with saved_tensors_hooks(frame.pack, frame.unpack):
+    with saved_tensors_hooks(frame.pack, frame.unpack), active(frame):
         out = fn(*args, **kwargs)
     if not frame.finish(out):
-        regions.pop(key, None)
+        _retire(regions.pop(key, None))
         _warn_once(("diverged", region.name),
                    f"gradaccel.checkpoint: {region.name} saved different tensors than when it was traced for "
                    "the same input signature; it is traced again on its next call. Make the region's behaviour "
@@ -299,15 +333,26 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
     rng = capture_rng(devices) if preserve_rng_state else None
     frame = TraceFrame(graph, flat, rng)
-    with saved_tensors_hooks(frame.pack, frame.unpack), DataReads(graph), frame.recorder:
+    graph.module_names = _module_names(fn)
+    with saved_tensors_hooks(frame.pack, frame.unpack), active(frame), module_stack(graph.module_stack), \
+            DataReads(graph), frame.recorder:
         out = fn(*args, **kwargs)
     frame.finish(out)
     name = _name(fn)
     region = _Region(name, graph, budget, flat, store)
-    regions.pop(key, None)
+    _retire(regions.pop(key, None))
+    if graph.dynamic:
+        if _split(region, owner=_owner(fn)[0]):
+            return out  # traced again, with the submodule split off, on the next call
+        _warn_once(("fallback", name, graph.dynamic_reason),
+                   f"gradaccel.checkpoint: {name} falls back to torch.utils.checkpoint (the whole region is "
+                   f"recomputed in backward unless its budget holds all of it): its forward runs "
+                   f"{_describe(graph.dynamic_reason)}, which depends on tensor values, so a trace of it cannot "
+                   "be replayed. Move that op out of the checkpointed region to get a selective plan.")
     regions[key] = region
+    _show_only(regions, region)
     if len(regions) > MAX_PLANS:  # a key that moves every call must not grow the cache without end
-        del regions[next(iter(regions))]
+        _retire(regions.pop(next(iter(regions))))
         _warn_once(("retraced", name),
                    f"gradaccel.checkpoint: {name} was traced for more than {MAX_PLANS} signatures, and each new "
                    "one runs as a full recompute. Either it sees many input shapes (pad to a few lengths), or "
@@ -315,6 +360,43 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
                    "a NaN): pass such tensors as arguments.")
     _ALL[:] = [r for r in _ALL if r() is not None] + [weakref.ref(region)]
     return out
+
+
+def _split(region, owner) -> bool:
+    """Where a data-dependent op ran in a submodule of the region (eager MoE experts' ``nonzero``),
+    that submodule alone becomes its own ``torch.utils.checkpoint`` and the rest of the region
+    gets a selective plan. Returns False where there is no such submodule (plain fallback)."""
+    graph = region.graph
+    sub = graph.dynamic_module() if graph.dynamic_module is not None else None
+    if not isinstance(sub, torch.nn.Module) or sub is owner or not split_off(sub, graph.dynamic_reason):
+        return False
+    _warn_once(("split", region.name, type(sub).__name__),
+               f"gradaccel.checkpoint: {region.name}: {type(sub).__name__} runs {_describe(graph.dynamic_reason)}, "
+               "which depends on tensor values: that submodule runs as torch.utils.checkpoint (recomputed whole "
+               "in backward) and the rest of the region gets a selective plan from its next call.")
+    return True
+
+
+def _retire(region) -> None:
+    """A region replaced or dropped from its cache: a backward may still hold it, but it is no
+    longer the plan, so plan_rows() leaves it out."""
+    if region is not None:
+        region.retired = True
+
+
+def _show_only(regions: dict, region) -> None:
+    """Of the cached plans that look alike in a report (same callable and tensor shapes, keys
+    differing in a module attribute, say), only the one in use is shown."""
+    region.retired = False
+    for other in regions.values():
+        if other is not region and other.signature == region.signature and other.name == region.name:
+            other.retired = True
+
+
+def _module_names(fn) -> dict[int, str]:
+    """id -> name of each submodule of the region's module, for the report's op names."""
+    root = getattr(fn, "__self__", fn)
+    return {id(m): n for n, m in root.named_modules() if n} if isinstance(root, torch.nn.Module) else {}
 
 
 def _run_dynamic(region, fn, args, kwargs, preserve_rng_state):
@@ -342,15 +424,16 @@ def _name(fn) -> str:
     return getattr(fn, "__qualname__", type(fn).__name__)
 
 
-def checkpoint_sequential(functions, segments, input, budget=None, use_reentrant=None, preserve_rng_state=True):
-    """Same signature and results as ``torch.utils.checkpoint.checkpoint_sequential``, each
-    segment checkpointed with ``budget`` (the last segment, as in torch, is not checkpointed).
+def checkpoint_sequential(functions, segments, input, use_reentrant=None, *, budget=None, preserve_rng_state=True):
+    """Same signature and results as ``torch.utils.checkpoint.checkpoint_sequential`` (its
+    positional order: ``use_reentrant`` fourth), each segment checkpointed with ``budget``
+    (keyword-only; the last segment, as in torch, is not checkpointed).
 
     Args:
         functions: an ``nn.Sequential`` or a list of modules/functions, run in order.
         segments: how many chunks to split ``functions`` into.
         input: the input of the first function.
-        budget, use_reentrant, preserve_rng_state: as for :func:`checkpoint`.
+        use_reentrant, budget, preserve_rng_state: as for :func:`checkpoint`.
 
     Returns:
         The output of the last function.
@@ -377,17 +460,21 @@ def _run_segment(x, *functions):
 # -- reporting ---------------------------------------------------------------------------------
 def plan_rows() -> list[dict]:
     """One dict per live traced region: name, signature, calls, bytes held against the budget,
-    ops kept, replayed and offloaded, estimated recompute FLOPs, and whether the plan is exact."""
+    ops kept, replayed and offloaded (``kept_where``/``replayed_where``: the same with the
+    submodule that ran each, as ``"mm (mlp.fc1)"``), estimated recompute FLOPs, whether the plan is exact, and
+    ``priced_ops``: the ops with no FLOP formula and how their cost was found (``"measured"``
+    in the traced forward, or a conservative ``"bound"``)."""
     rows = []
     for ref in _ALL:
         region = ref()
-        if region is None:
+        if region is None or getattr(region, "retired", False):
             continue
         plan, graph = region.plan, region.graph
         row = {"region": region.name, "signature": region.signature, "calls": region.calls,
                "budget": region.budget, "total_bytes": graph.activation_bytes}
         if plan is None:
-            row.update(mode="torch.utils.checkpoint (data-dependent region, or conjugate views)")
+            row.update(mode=f"torch.utils.checkpoint ({_describe(graph.dynamic_reason)})",
+                       fallback_reason=graph.dynamic_reason)
         else:
             kept = sorted({_producer_name(graph, p.storage) for k, p in enumerate(graph.packs)
                            if plan.keep[k] and graph.storages[p.storage].creator >= 0})
@@ -395,9 +482,20 @@ def plan_rows() -> list[dict]:
                        kept_ops=kept, replayed_ops=[str(graph.ops[i].func) for i in plan.steps],
                        offloaded_ops=sorted({_producer_name(graph, s) for s in plan.offloaded}),
                        offloaded_bytes=plan.offloaded_bytes,
-                       recompute_flops=plan.recompute_flops, exact=plan.exact, fits=plan.fits)
+                       recompute_flops=plan.recompute_flops, exact=plan.exact, fits=plan.fits,
+                       priced_ops={str(op.func): op.priced for op in graph.ops if op.priced != "formula"},
+                       kept_where=sorted({_where(graph, graph.storages[p.storage].creator) for k, p in enumerate(graph.packs)
+                                          if plan.keep[k] and graph.storages[p.storage].creator >= 0}),
+                       replayed_where=[_where(graph, i) for i in plan.steps],
+                       split=[str(op.func) for op in graph.ops if isinstance(op.func, Opaque)])
         rows.append(row)
     return rows
+
+
+def _where(graph: Graph, i: int) -> str:
+    op = graph.ops[i]
+    name = str(op.func).removeprefix("aten.").removesuffix(".default")
+    return f"{name} ({op.module})" if op.module else name
 
 
 def _producer_name(graph: Graph, sid: int) -> str:
@@ -405,19 +503,31 @@ def _producer_name(graph: Graph, sid: int) -> str:
 
 
 def plan_report() -> str:
-    """A readable table of every traced region's plan (see :func:`plan_rows`)."""
-    lines = [f"{'region':<28} {'signature':<26} {'kept MiB':>9} {'budget MiB':>10} {'no-ckpt MiB':>11} "
-             f"{'replayed':>8} {'recompute GFLOP':>15}  exact"]
+    """A readable table of every traced region's plan (see :func:`plan_rows`), totals at the end."""
     mib = 1 / 2**20
+    lines = ["kept/budget/no-ckpt: activation MiB a region holds for backward with this plan / may hold / "
+             "would hold without checkpointing; replayed: ops rerun in backward; exact: the plan is proven "
+             "least-cost; costs: ops with no FLOP formula, measured in the traced forward or bounded.",
+             f"{'region':<28} {'kept MiB':>9} {'budget MiB':>10} {'no-ckpt MiB':>11} {'replayed':>8} "
+             f"{'recompute GFLOP':>15}  exact  signature"]
+    total = dict(kept=0, budget=0, none=0, flops=0, n=0)
     for r in plan_rows():
         if r["mode"] != "selective":
-            lines.append(f"{r['region']:<28} {r['signature'][:26]:<26} {r['mode']}")
+            lines.append(f"{r['region']:<28} {r['mode']}  {r['signature']}")
             continue
-        lines.append(f"{r['region'][:28]:<28} {r['signature'][:26]:<26} {r['kept_bytes'] * mib:>9.2f} "
-                     f"{r['budget_bytes'] * mib:>10.2f} {r['total_bytes'] * mib:>11.2f} {len(r['replayed_ops']):>8} "
-                     f"{r['recompute_flops'] / 1e9:>15.4f}  {'yes' if r['exact'] else 'no'}")
-        lines.append(f"    kept:     {', '.join(r['kept_ops']) or '-'}")
-        lines.append(f"    replayed: {', '.join(r['replayed_ops']) or '-'}")
+        total.update(kept=total["kept"] + r["kept_bytes"], budget=total["budget"] + r["budget_bytes"],
+                     none=total["none"] + r["total_bytes"], flops=total["flops"] + r["recompute_flops"], n=total["n"] + 1)
+        lines.append(f"{r['region'][:28]:<28} {r['kept_bytes'] * mib:>9.2f} {r['budget_bytes'] * mib:>10.2f} "
+                     f"{r['total_bytes'] * mib:>11.2f} {len(r['replayed_ops']):>8} {r['recompute_flops'] / 1e9:>15.4f}  "
+                     f"{'yes' if r['exact'] else 'no ':<5}  {r['signature']}")
+        lines.append(f"    kept:     {', '.join(r['kept_where']) or '-'}")
+        lines.append(f"    replayed: {', '.join(r['replayed_where']) or '-'}")
+        if r["split"]:
+            lines.append(f"    split:    {', '.join(r['split'])}")
         if r["offloaded_ops"]:
             lines.append(f"    offloaded ({r['offloaded_bytes'] * mib:.2f} MiB to host): {', '.join(r['offloaded_ops'])}")
+        if r["priced_ops"]:
+            lines.append("    costs:    " + ", ".join(f"{k} ({v})" for k, v in r["priced_ops"].items()))
+    lines.append(f"{'total (' + str(total['n']) + ' regions)':<28} {total['kept'] * mib:>9.2f} {total['budget'] * mib:>10.2f} "
+                 f"{total['none'] * mib:>11.2f} {'':>8} {total['flops'] / 1e9:>15.4f}")
     return "\n".join(lines)

@@ -15,7 +15,6 @@ import math
 import numbers
 import warnings
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -26,7 +25,7 @@ from gradaccel._slots import GradSlots
 
 __all__ = ["FusedAccumOptimizer", "WindowScheduler"]
 
-_NORMALIZE = ("mean", "items")
+_NORMALIZE = ("mean", "items", "sum")
 
 
 class FusedAccumOptimizer(torch.optim.Optimizer):
@@ -42,7 +41,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         normalize: ``"mean"``: each micro-batch loss is a mean; the window gradient is the mean
             over the micro-batches. ``"items"``: each loss is a sum over items (tokens), every
             ``step(num_items=n)`` says how many, and the window gradient is divided by the
-            window's total item count (across ranks with ``process_group``).
+            window's total item count (across ranks with ``process_group``). ``"sum"``: the
+            losses are already scaled so that the window gradient is the plain sum of the
+            micro-batch gradients (a framework's own accumulation loop, such as Hugging Face
+            ``Trainer`` dividing by ``num_items_in_batch``); use it with ``accum_steps=1`` and a
+            loop that calls ``step()`` once per window (see ``gradaccel.hf``).
         max_grad_norm: if set (> 0), clip the window gradient's total 2-norm to it like
             ``torch.nn.utils.clip_grad_norm_``. ``last_grad_norm`` holds the norm before
             clipping after every window, whether or not clipping is on.
@@ -62,6 +65,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     Attributes:
         skipped_steps: windows skipped because their gradient was not finite.
         last_grad_norm: float, the total gradient norm of the last finished window.
+        window_loss: float or None, the loss of the last finished window, weighted as its
+            gradient is (mean of the micro-batch losses with ``"mean"``, summed losses over the
+            window's items with ``"items"``, their sum with ``"sum"``), from the losses handed to
+            ``step(loss=...)``; None when none were. With equal micro-batches it is the
+            big batch's loss.
 
     Notes:
         At the update the inner optimizer sees fp32 ``.grad`` views into the flat buffer on fp32
@@ -100,17 +108,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             raise ValueError("process_group was given but torch.distributed is not initialized; "
                              "call torch.distributed.init_process_group first")
 
-        # Optimizer.__init__ is not called: it would build param_groups of its own, and the
-        # contract is that the wrapper shares the inner optimizer's (see the properties below).
         self.optimizer = optimizer
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
-        self._warned_capturable_if_run_uncaptured = True
+        self.__dict__.update(_optimizer_internals())
+        self._patch_step_function()  # profiles and hooks this class's step(), as Optimizer.__init__ does
 
         self.accum_steps = accum_steps
         self.normalize = normalize
@@ -121,6 +121,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._group = None if process_group is None else weakref.ref(process_group)
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self.window_loss: float | None = None
+        self._loss: torch.Tensor | None = None  # the window's summed micro-batch losses
+        self._pending: tuple | None = None  # (norm, touched) of a window finalized by clip_grad_norm_
+        self._warned_empty = False
 
         self._slots = GradSlots(master_weights)
         self._micro = 0
@@ -245,7 +249,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                     p.grad.detach_().zero_()
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, *, num_items: int | float | torch.Tensor | None = None) -> bool:
+    def step(self, closure: Callable[[], Any] | None = None, *, num_items: int | float | torch.Tensor | None = None,
+             loss: torch.Tensor | float | None = None) -> bool:
         """Ends a micro-batch; the call that ends a window applies the update.
 
         Args:
@@ -253,6 +258,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             num_items: items (e.g. tokens) in this micro-batch's summed loss; required with
                 ``normalize="items"``, not accepted otherwise. An int/float or a 0-d tensor (a
                 tensor is accumulated on its device, without a host sync).
+            loss: optional, this micro-batch's loss (as given to backward); summed without a host
+                sync, it makes ``window_loss`` at the end of the window.
 
         Returns:
             True when this call ended a window and applied an update; False otherwise (mid-window,
@@ -275,6 +282,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        if loss is not None:
+            self._add_loss(loss)
         self._slots.fold_leftovers()
         self._slots.tick()
         self._micro += 1
@@ -286,11 +295,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     def _window_scale(self, world: int) -> torch.Tensor:
         flat = self._slots.flat
-        if self.normalize == "mean":
-            key = (self.accum_steps, world)  # accum_steps may be changed between windows
+        if self.normalize in ("mean", "sum"):
+            steps = self.accum_steps if self.normalize == "mean" else 1
+            key = (steps, world)  # accum_steps may be changed between windows
             if self._mean_scale is None or self._mean_scale[0] != key:
                 # torch.full, not torch.tensor: no host-to-device copy on CUDA.
-                self._mean_scale = key, torch.full((), 1.0 / (self.accum_steps * world),
+                self._mean_scale = key, torch.full((), 1.0 / (steps * world),
                                                    dtype=torch.float32, device=flat.device)
             return self._mean_scale[1]
         total = torch.full((), self._items, dtype=torch.float64, device=flat.device)
@@ -298,7 +308,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             total = total + self._items_t
         return total.reciprocal().float()
 
-    def _end_window(self) -> bool:
+    def _add_loss(self, loss: torch.Tensor | float) -> None:
+        loss = torch.as_tensor(loss).detach().to(device=self._slots.flat.device, dtype=torch.float64)
+        self._loss = loss if self._loss is None else self._loss + loss
+
+    def _finalize(self) -> tuple[float, list[bool], bool]:
+        """Reduces, scales and measures the window's gradient. Returns (norm, touched, finite)."""
         flat = self._slots.flat
         touched = self._slots.touched()
         self._slots.zero_untouched(touched)
@@ -327,23 +342,75 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             self._items_t = None
         scale = self._window_scale(world)
         sumsq, nonfinite = ops.finalize_(flat, scale)
-        # One host sync per window, for both the flag and the norm.
-        ss, nf = torch.stack([sumsq, nonfinite.double()]).tolist()
+        parts = [sumsq, nonfinite.double()]
+        if self._loss is not None:  # weighted as the gradient is: the same scale
+            parts.append(self._loss * scale.double())
+        # One host sync per window, for the flag, the norm and the loss.
+        host = torch.stack(parts).tolist()
         if self._sharded is not None:
-            ss, nf = self._sharded.global_norm(ss, nf)  # every rank clips alike, skips alike
+            # Summed over all shards: every rank clips alike, skips alike and logs the same loss.
+            host = self._sharded.global_sums(host)
+            if len(host) > 2:  # each rank's loss was scaled as FSDP2's rank-averaged gradient is
+                host[2] /= self._sharded.world
+        ss, nf = host[0], host[1]
+        self.window_loss = host[2] if self._loss is not None else None
         norm = math.sqrt(ss) if ss >= 0 else float("nan")
         self.last_grad_norm = norm
-        if nf or not math.isfinite(norm):
+        return norm, touched, not nf and math.isfinite(norm)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Finishes the window's gradient now and clips it, for loops that clip before ``step()``.
+
+        For a framework's accumulation loop (``normalize="sum"``, ``accum_steps=1``): where it
+        would call ``torch.nn.utils.clip_grad_norm_`` on ``.grad`` that this optimizer has freed
+        (``gradaccel.hf`` routes ``accelerator.clip_grad_norm_`` here). The next ``step()``
+        applies the clipped gradient, or skips the window if it is not finite.
+
+        Args:
+            max_norm: the largest total 2-norm (``float("inf")``: measure only, no clipping).
+
+        Returns:
+            0-d fp32 tensor: the total norm before clipping (NaN if not finite), as torch's.
+        """
+        if self.normalize == "items" or self._micro != self.accum_steps - 1:
+            raise RuntimeError("FusedAccumOptimizer.clip_grad_norm_ is for the call just before the "
+                               "step() that ends a window, with normalize='mean' or 'sum'; otherwise "
+                               "pass max_grad_norm= to the optimizer")
+        if self._pending is None:
+            self._slots.fold_leftovers()
+            self._pending = self._finalize()
+        norm, _, finite = self._pending
+        if finite and max_norm is not None:
+            coef = float(max_norm) / (norm + 1e-6)  # the same epsilon as clip_grad_norm_
+            if coef < 1.0:
+                self._slots.flat.mul_(coef)
+        return torch.tensor(norm if finite else float("nan"), dtype=torch.float32)
+
+    def _end_window(self) -> bool:
+        if self._pending is not None:  # finalized and clipped by clip_grad_norm_
+            (norm, touched, finite), clip = self._pending, None
+        else:
+            (norm, touched, finite), clip = self._finalize(), self.max_grad_norm
+        if not any(touched):
+            if not self._warned_empty:
+                self._warned_empty = True
+                warnings.warn("FusedAccumOptimizer: a window ended with no gradient at all (no backward "
+                              "reached a parameter of this optimizer since the last update); nothing "
+                              "was updated. Call loss.backward() before step(), and build the optimizer "
+                              "on the parameters that train", UserWarning, stacklevel=3)
+            self._reset_window()
+            return False
+        if not finite:
             self.skipped_steps += 1
             warnings.warn(f"FusedAccumOptimizer: non-finite gradient in this window (norm={norm}; "
                           "with normalize='items' also check num_items > 0); update skipped "
                           f"({self.skipped_steps} skipped so far)", UserWarning, stacklevel=3)
             self._reset_window()
             return False
-        if self.max_grad_norm is not None:
-            coef = self.max_grad_norm / (norm + 1e-6)  # the same epsilon as clip_grad_norm_
+        if clip is not None:
+            coef = clip / (norm + 1e-6)  # the same epsilon as clip_grad_norm_
             if coef < 1.0:
-                flat.mul_(coef)
+                self._slots.flat.mul_(coef)
         self._apply(touched)
         self._reset_window()
         return True
@@ -382,6 +449,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     def _reset_window(self) -> None:
         self._micro = 0
         self._items, self._items_t = 0.0, None
+        self._loss, self._pending = None, None
         self._slots.start_window()
         if self._sharded is not None:
             self._sharded.before_micro_batch(0, self.accum_steps, self._slots.flat)
@@ -485,6 +553,26 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = extra["last_grad_norm"]
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+class _Probe(torch.optim.Optimizer):
+    pass
+
+
+_SHARED = frozenset({"param_groups", "state", "defaults"})
+
+
+def _optimizer_internals() -> dict[str, Any]:
+    """What ``torch.optim.Optimizer.__init__`` sets on an instance besides the attributes the
+    wrapper shares with its inner optimizer (hook dicts, flags), fresh from a real one.
+
+    Optimizer.__init__ itself is not called on the wrapper: it would build param_groups of its
+    own, and the contract is that the wrapper shares the inner optimizer's. Taking the rest from
+    an instance, not from a list written here, keeps hooks and profiling working when a torch
+    release adds an attribute.
+    """
+    probe = _Probe([torch.empty(0, requires_grad=True)], {})
+    return {k: v for k, v in vars(probe).items() if k not in _SHARED}
 
 
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:

@@ -75,3 +75,14 @@ def test_ddp_accumulate_fsdp_two_ranks():
 def test_examples_are_short():
     for path in (ROOT / "examples").glob("*.py"):
         assert len(path.read_text().splitlines()) < 150, path
+
+
+def test_qlora_sft():
+    for pkg in ("transformers", "trl", "peft", "bitsandbytes", "datasets"):
+        pytest.importorskip(pkg)
+    out = run("examples/qlora_sft.py", "--steps", "2", "--accum-steps", "2", "--micro-batch", "2")
+    losses = window_losses(out)
+    # One line per window, per-token loss of a fresh model near ln(vocab); gradaccel's checkpoint
+    # planned the layers (its report), and the 4-bit GEMMs were priced.
+    assert len(losses) == 2 and all(math.isfinite(x) and 3 < x < 8 for x in losses), out
+    assert "LlamaDecoderLayer.forward" in out and "bitsandbytes.gemm_4bit.default (measured)" in out, out

@@ -93,15 +93,18 @@ def _mean_windows(rank, sync, make_pair, loss_of, windows=3, accum=2, micro=2):
         ids = _tokens(WORLD * accum * micro, window)
         for k in range(accum):
             start = (rank * accum + k) * micro
-            loss_of(model, ids[start: start + micro]).backward()
-            assert opt.step() == (k == accum - 1)
+            loss = loss_of(model, ids[start: start + micro])
+            loss.backward()
+            assert opt.step(loss=loss) == (k == accum - 1)
             opt.zero_grad()
             # sync="window": the buffer's memory is released until the window's last micro-batch.
             released = opt.grad_buffer.untyped_storage().nbytes() == 0
             assert released == (sync == "window" and k != accum - 2), (sync, k)
-        loss_of(ref, ids).backward()
+        ref_loss = loss_of(ref, ids)
+        ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
+        assert abs(opt.window_loss - ref_loss.item()) <= 1e-6 * ref_loss.item(), (opt.window_loss, ref_loss)
         # fp32 throughout; the sums run in another order than the big batch's (per rank, per
         # micro-batch), so equal to rounding, not bitwise.
         assert _rel_diff(model, ref) < 1e-6, (window, _rel_diff(model, ref))
@@ -179,9 +182,13 @@ def _items_and_clip(rank):
                     targets[rows] = flat.view(4, SEQ)
             for k in range(2):
                 rows = slice((rank * 2 + k) * 4, (rank * 2 + k + 1) * 4)
-                _ce(model(ids[rows, :-1]), targets[rows], "sum").backward()
-                opt.step(num_items=keep[k] if k else torch.tensor(keep[k]))
-            (_ce(ref(ids[:, :-1]), targets, "sum") / (targets != -100).sum()).backward()
+                loss = _ce(model(ids[rows, :-1]), targets[rows], "sum")
+                loss.backward()
+                opt.step(num_items=keep[k] if k else torch.tensor(keep[k]), loss=loss)
+            ref_loss = _ce(ref(ids[:, :-1]), targets, "sum") / (targets != -100).sum()
+            ref_loss.backward()
+            # The global per-token mean loss, on every rank.
+            assert abs(opt.window_loss - ref_loss.item()) <= 1e-6 * ref_loss.item(), (opt.window_loss, ref_loss)
             norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3).item()
             ref_opt.step()
             ref_opt.zero_grad()

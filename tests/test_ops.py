@@ -69,14 +69,25 @@ def test_scale_accumulate_rejects_bad_input(device):
         ops.scale_accumulate_(acc, torch.zeros(4, device="meta"), 1.0)
     with pytest.raises(TypeError, match="grad"):
         ops.scale_accumulate_(acc, [0.0] * 4, 1.0)
-    # The registered op checks on its own too (RuntimeError from TORCH_CHECK or Python).
+    # The registered op raises the same errors: the checks are its own (C++), not gradaccel.ops'.
     if device == "cpu":
-        with pytest.raises(RuntimeError, match="acc must be float32"):
+        with pytest.raises(ValueError, match="acc must be float32"):
             _op("scale_accumulate_")(acc.double(), grad, 1.0)
-        with pytest.raises(RuntimeError, match="shape"):
+        with pytest.raises(ValueError, match="shape"):
             _op("scale_accumulate_")(acc, torch.zeros(5), 1.0)
         with pytest.raises(RuntimeError, match="overlapping|internal overlap|single memory location"):
             _op("scale_accumulate_")(torch.zeros(1).expand(4), grad, 1.0)
+    with pytest.raises(ValueError, match="dense"):
+        ops.scale_accumulate_(acc, grad.to_sparse(), 1.0)
+    with pytest.raises(ValueError, match=r"grads\[1\] must be a dense"):
+        ops.fold_(torch.zeros(8, device=device), [grad, grad.to_sparse()], [0, 4], 1.0)
+    with pytest.raises(TypeError, match=r"grads\[0\]"):
+        ops.fold_(torch.zeros(8, device=device), [[0.0] * 4], [0], 1.0)
+    # A grad interleaved with acc, sharing no element: refused on both paths alike (conservative).
+    inter = torch.zeros(8, device=device)
+    for fn in (ops.scale_accumulate_, ops._scale_accumulate_triton):
+        with pytest.raises(RuntimeError, match="partially overlaps"):
+            fn(inter[0::2], inter[1::2], 1.0)
     # ... and so does the function registered as the CUDA kernel (run here on CPU tensors).
     with pytest.raises(RuntimeError, match="overlapping"):
         ops._scale_accumulate_triton(torch.zeros(1, device=device).expand(4), grad, 1.0)
@@ -120,9 +131,9 @@ def test_fold_rejects_bad_input(device):
     assert torch.equal(flat, torch.arange(10.0, device=device))
     flat.zero_()
     if device == "cpu":
-        with pytest.raises(RuntimeError, match="overlaps"):
+        with pytest.raises(ValueError, match="overlaps"):
             _op("fold_")(flat, [g, g], [0, 3], 1.0)
-        with pytest.raises(RuntimeError, match="does not fit"):
+        with pytest.raises(ValueError, match="does not fit"):
             _op("fold_")(flat, [g], [8], 1.0)
 
 
@@ -139,7 +150,7 @@ def test_finalize_rejects_bad_input(device):
     with pytest.raises(TypeError, match="scale"):
         ops.finalize_(flat, "2")
     if device == "cpu":
-        with pytest.raises(RuntimeError, match="0-d"):
+        with pytest.raises(ValueError, match="0-d"):
             _op("finalize_")(flat, torch.ones(2))
 
 
@@ -214,7 +225,7 @@ def test_cuda_kernels_check_their_arguments(device):
         ops._finalize_triton(torch.zeros(4, 4, device=device).t(), torch.tensor(1.0))
     with pytest.raises(ValueError, match="0-d"):
         ops._finalize_triton(acc, torch.ones(2, device=device))
-    with pytest.raises(RuntimeError, match="overlaps"):
+    with pytest.raises(ValueError, match="overlaps"):
         ops._fold_triton(torch.zeros(8, device=device), [acc, acc], [0, 2], 1.0)
     assert torch.equal(acc, torch.zeros(4, device=device))
 

@@ -346,7 +346,7 @@ def test_frozen_then_unfrozen_param_is_an_error():
     (dict(accum_steps=2.0), ValueError, "accum_steps"),
     (dict(accum_steps="4"), ValueError, "accum_steps"),
     (dict(accum_steps=True), ValueError, "accum_steps"),
-    (dict(normalize="sum"), ValueError, "normalize"),
+    (dict(normalize="median"), ValueError, "normalize"),
     (dict(normalize=None), ValueError, "normalize"),
     (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
     (dict(max_grad_norm=-1), ValueError, "max_grad_norm"),
@@ -550,3 +550,62 @@ def test_reset_window_drops_a_failed_micro_batch_and_sparse_grads_lose_nothing()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert model[2].bias.grad is not None
+
+
+def test_optimizer_hooks_and_internals_are_torchs_own():
+    # The wrapper does not call Optimizer.__init__ (it shares the inner optimizer's param_groups):
+    # what __init__ sets besides those comes from a real Optimizer, so a torch release that
+    # adds an attribute does not break hooks or profiling on the wrapper.
+    model = torch.nn.Linear(3, 2)
+    stock = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    shared = {"param_groups", "state", "defaults"}
+    assert set(vars(stock)) - shared <= set(vars(opt)), set(vars(stock)) - shared - set(vars(opt))
+    assert not [k for p in model.parameters() for k in vars(p)]  # nothing written onto the user's Parameters
+    calls = []
+    handles = [
+        opt.register_step_pre_hook(lambda o, a, k: calls.append("step_pre")),
+        opt.register_step_post_hook(lambda o, a, k: calls.append("step_post")),
+        opt.register_state_dict_pre_hook(lambda o: calls.append("sd_pre")),
+        opt.register_state_dict_post_hook(lambda o, sd: calls.append("sd_post")),
+        opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load_pre")),
+        opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post")),
+    ]
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["step_pre", "step_post", "sd_pre", "sd_post", "load_pre", "load_post"]
+    for h in handles:
+        h.remove()
+    with torch.profiler.profile() as prof:
+        opt.step()
+    assert any("FusedAccumOptimizer.step" in e.name for e in prof.events())
+
+
+@pytest.mark.parametrize("normalize", ["mean", "items"])
+def test_window_loss_is_the_big_batch_loss(normalize):
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 3, normalize=normalize)
+    x, y = torch.randn(12, 6), torch.randn(12, 3)
+    # Uneven micro-batches with "items" (weighted per item), equal ones with "mean".
+    cuts = [0, 2, 7, 12] if normalize == "items" else [0, 4, 8, 12]
+    big = F.mse_loss(model(x), y).item()  # before the update
+    for k in range(3):
+        out, target = model(x[cuts[k]:cuts[k + 1]]), y[cuts[k]:cuts[k + 1]]
+        if normalize == "items":
+            loss = F.mse_loss(out, target, reduction="sum")
+            loss.backward()
+            updated = opt.step(num_items=out.numel(), loss=loss)
+        else:
+            loss = F.mse_loss(out, target)
+            loss.backward()
+            updated = opt.step(loss=loss)
+        assert updated == (k == 2)
+        opt.zero_grad()
+    assert opt.window_loss == pytest.approx(big, rel=1e-6)
+    for _ in range(3):  # no losses handed in: none reported
+        model(x).sum().backward()
+        opt.step(**({"num_items": 1} if normalize == "items" else {}))
+    assert opt.window_loss is None

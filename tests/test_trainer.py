@@ -25,11 +25,13 @@ def base_and_data():
     return base, [{"input_ids": t, "labels": t} for t in ids]
 
 
-def _trainer(model, data, out, optimizers, **kw):
-    args = transformers.TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=MICRO, use_cpu=True, report_to=[], logging_strategy="no",
-        seed=0, data_seed=0, dataloader_drop_last=True, disable_tqdm=True, **kw)
-    return transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers)
+def _trainer(model, data, out, optimizers, collator=None, **kw):
+    """A Trainer on CPU with this file's settings; ``kw`` adds to or overrides TrainingArguments."""
+    args = dict(output_dir=str(out), per_device_train_batch_size=MICRO, use_cpu=True, report_to=[],
+                logging_strategy="no", seed=0, data_seed=0, dataloader_drop_last=True, disable_tqdm=True)
+    args = transformers.TrainingArguments(**{**args, **kw})
+    return transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers,
+                                data_collator=collator)
 
 
 def _stock(base, data, out):
