@@ -1,13 +1,16 @@
 """Data-parallel gradient accumulation: one gradient all-reduce per window, not per micro-batch.
 
     torchrun --nproc-per-node 2 examples/ddp_accumulate.py --accum-steps 4 --check
+    torchrun --nproc-per-node 2 examples/ddp_accumulate.py --fsdp --sync window --check
 
 Each rank runs the stock loop (backward, step, zero_grad) on its share of every window.
 FusedAccumOptimizer(process_group=...) folds each micro-batch into a flat fp32 buffer and
 all-reduces that buffer once at the end of the window. Do not also wrap the model in
 DistributedDataParallel: DDP all-reduces every backward (FusedAccumOptimizer refuses it and says
 so). Start every rank from the same weights (broadcast below). gloo on CPU, NCCL on GPUs.
---check: rank 0 also trains a copy the stock way on each whole global batch and compares.
+--fsdp: shard the model with FSDP2 (fully_shard per block, then the root) instead: each rank
+keeps its shard of the fp32 window; --sync says when FSDP2 reduce-scatters (every micro-batch,
+or once per window). --check: rank 0 also trains a copy the stock way on each whole global batch.
 """
 
 import argparse
@@ -53,6 +56,8 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of replicating")
+    p.add_argument("--sync", default="micro_batch", choices=["micro_batch", "window"], help="with --fsdp")
     p.add_argument("--check", action="store_true", help="compare with single-process big-batch training")
     args = p.parse_args()
 
@@ -69,11 +74,19 @@ def main():
     for t in list(model.parameters()) + list(model.buffers()):
         dist.broadcast(t.data, src=0)
     reference = copy.deepcopy(model) if args.check and rank == 0 else None
-    checkpoint_blocks(model, budget=args.budget)
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    checkpoint_blocks(model, budget=args.budget)  # before or after fully_shard: either works
 
     # SGD with momentum: sensitive to the gradient's scale, so --check also checks the averaging.
     make = lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9)  # noqa: E731
-    opt = FusedAccumOptimizer(make(model.parameters()), args.accum_steps, process_group=dist.group.WORLD)
+    if args.fsdp:  # FSDP2 reduce-scatters; the optimizer folds each rank's shard
+        opt = FusedAccumOptimizer(make(model.parameters()), args.accum_steps, sync=args.sync, module=model)
+    else:
+        opt = FusedAccumOptimizer(make(model.parameters()), args.accum_steps, process_group=dist.group.WORLD)
     ref_opt = make(reference.parameters()) if reference is not None else None
 
     gen = torch.Generator().manual_seed(1234)
@@ -99,8 +112,9 @@ def main():
         if rank == 0:
             print(f"step {window + 1:3d}  loss {window_loss.item() / (world * args.accum_steps):.5f}", flush=True)
 
+    params = [p.full_tensor() if args.fsdp else p for p in model.parameters()]  # every rank gathers
     if reference is not None:
-        diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+        diff = max((p - q).abs().max().item() for p, q in zip(params, reference.parameters()))
         print(f"check: max |param - big-batch param| = {diff:.3e}")
         assert diff < 1e-5, "FusedAccumOptimizer diverged from single-process big-batch training"
         print("check: ok")

@@ -16,6 +16,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gradaccel import ops
+from gradaccel._sharded import local
 
 # Which GradSlots folds each parameter, without writing onto the user's Parameters. By identity:
 # a WeakKeyDictionary would compare tensors with ==, elementwise.
@@ -70,7 +71,9 @@ def _make_hook(views: list, stamps: list, clock: list, i: int) -> Callable[[torc
         if grad.layout is not torch.strided:
             raise RuntimeError("FusedAccumOptimizer: sparse gradients are not supported "
                                "(e.g. nn.Embedding(sparse=True)); use dense gradients")
-        grad = grad.detach()  # backward(create_graph=True): the window keeps values, not graphs
+        # detach: backward(create_graph=True) keeps values, not graphs; local: a DTensor grad
+        # (fully_shard) folds this rank's shard into this rank's slice.
+        grad = local(grad).detach()
         if stamps[i] < clock[1]:
             # First arrival in this window: a converting copy overwrites the stale slice, which
             # saves zeroing the whole buffer every window (and reading it back here).
@@ -176,14 +179,14 @@ class GradSlots:
         offsets, total = [], 0
         for p in self.params:
             offsets.append(total)
-            total += p.numel()
+            total += local(p).numel()  # a DTensor's slice holds this rank's shard only
         device = self.params[0].device if self.params else torch.device("cpu")
         flat = torch.zeros(total, dtype=torch.float32, device=device)
-        if old is not None and old.numel():
+        if old is not None and old.numel() and old.untyped_storage().nbytes():  # not released
             flat[: old.numel()].copy_(old)
         self.flat, self.offsets = flat, offsets
         # In place: the hooks hold this very list.
-        self.views[:] = [_slice_like(flat, o, p) for o, p in zip(offsets, self.params)]
+        self.views[:] = [_slice_like(flat, o, local(p)) for o, p in zip(offsets, self.params)]
         # A grad permuted this way flattens in its slice's memory order (what fold_ writes).
         self._memory_order = [_memory_order(v) for v in self.views]
         self._rowmajor = all(v.is_contiguous() for v in self.views)  # state dicts copy as they are
@@ -235,7 +238,7 @@ class GradSlots:
             if self.stamps[i] < start:
                 self.views[i].zero_()  # the slice still holds an earlier window's values
             grads, offs = late.setdefault(g.dtype, ([], []))
-            grads.append(g.detach().permute(self._memory_order[i]))
+            grads.append(local(g.detach()).permute(self._memory_order[i]))
             offs.append(self.offsets[i])
             p.grad = None
             self.stamps[i] = now
@@ -281,8 +284,8 @@ class GradSlots:
         for i in self.lowp:
             p, master = self.params[i], self.targets[i]
             if p._version != self.versions[i]:
-                if not torch.equal(p, master.to(p.dtype)):
-                    master.copy_(p)
+                if not torch.equal(local(p), local(master).to(p.dtype)):
+                    local(master).copy_(local(p))
                 self.versions[i] = p._version
 
     def write_back_masters(self) -> None:
@@ -290,7 +293,7 @@ class GradSlots:
         if not self.lowp:
             return
         ps = [self.params[i] for i in self.lowp]
-        torch._foreach_copy_(ps, [self.targets[i] for i in self.lowp])
+        torch._foreach_copy_([local(p) for p in ps], [local(self.targets[i]) for i in self.lowp])
         self.note_versions()
 
     def note_versions(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from gradaccel import ops
+from gradaccel import _sharded, ops
 from gradaccel._slots import GradSlots
 
 __all__ = ["FusedAccumOptimizer", "WindowScheduler"]
@@ -54,6 +54,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             parameter equals its master rounded to the parameter's dtype.
         process_group: a ``torch.distributed`` group: the fp32 window buffer is all-reduced once
             per window and averaged over ranks. Use on a plain (not DDP-wrapped) model.
+        sync: for an FSDP2 (``fully_shard``) model, whose parameters are DTensors: when FSDP2
+            reduce-scatters. ``"micro_batch"`` (default): after every backward, folding the
+            shard at once (least memory). ``"window"``: FSDP2 holds fp32 unsharded gradients for
+            the window and reduce-scatters once (least communication); needs ``module``.
+            The buffer holds this rank's shards only. Build the optimizer on every rank: it
+            makes a small gloo group for the end-of-window check. See ``gradaccel/_sharded.py``.
+        module: the ``fully_shard``-ed root module (needed for ``sync="window"``).
 
     Attributes:
         skipped_steps: windows skipped because their gradient was not finite.
@@ -77,7 +84,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, accum_steps: int, *,
                  normalize: str = "mean", max_grad_norm: float | None = None,
-                 master_weights: bool = False, process_group: Any = None) -> None:
+                 master_weights: bool = False, process_group: Any = None,
+                 sync: str = "micro_batch", module: Any = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, FusedAccumOptimizer):
@@ -124,9 +132,18 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._items_t: torch.Tensor | None = None
         self._mean_scale: tuple[tuple[int, int], torch.Tensor] | None = None
 
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._sharded = None  # the distributed half of a window over DTensor (fully_shard) params
+        if _sharded.check_params(params, process_group):
+            self._sharded = _sharded.ShardedWindow([p for p in params if p.requires_grad], sync, module)
+        elif sync != "micro_batch" or module is not None:
+            raise ValueError("sync= and module= are for fully_shard (FSDP2) models; these parameters "
+                             "are plain tensors (for data parallelism use process_group=)")
         for group in optimizer.param_groups:
             group["params"] = self._slots.adopt(group["params"], optimizer.state)
         self._slots.grow()
+        if self._sharded is not None:
+            self._sharded.before_micro_batch(0, accum_steps, self._slots.flat)
 
     # --- the inner optimizer's objects, shared -------------------------------------------------
     @property
@@ -155,7 +172,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     @property
     def grad_buffer(self) -> torch.Tensor:
-        """The flat fp32 window buffer (1-D; parameter i's slice in adoption order). Read only."""
+        """The flat fp32 window buffer (1-D; parameter i's slice in adoption order). Read only.
+        With ``sync="window"`` its memory is released until the window's last micro-batch."""
         return self._slots.flat
 
     @property
@@ -270,6 +288,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._slots.tick()
         self._micro += 1
         if self._micro < self.accum_steps:
+            if self._sharded is not None:
+                self._sharded.before_micro_batch(self._micro, self.accum_steps, self._slots.flat)
             return False
         return self._end_window()
 
@@ -315,6 +335,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             host = meta.tolist()
             self._items, self._items_t = host[0], None
             touched = [t > 0 for t in host[1:]]
+        if self._sharded is not None:
+            # FSDP2 already averaged over ranks: the scale is 1/accum_steps or world/total items.
+            items = self._items + (self._items_t.item() if self._items_t is not None else 0.0)
+            self._items, touched = self._sharded.agree(self._micro, self.accum_steps, items, touched)
+            self._items_t = None
         scale = self._window_scale(world)
         sumsq, nonfinite = ops.finalize_(flat, scale)
         parts = [sumsq, nonfinite.double()]
@@ -322,6 +347,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             parts.append(self._loss * scale.double())
         # One host sync per window, for the flag, the norm and the loss.
         host = torch.stack(parts).tolist()
+        if self._sharded is not None:
+            # Summed over all shards: every rank clips alike, skips alike and logs the same loss.
+            host = self._sharded.global_sums(host)
+            if len(host) > 2:  # each rank's loss was scaled as FSDP2's rank-averaged gradient is
+                host[2] /= self._sharded.world
         ss, nf = host[0], host[1]
         self.window_loss = host[2] if self._loss is not None else None
         norm = math.sqrt(ss) if ss >= 0 else float("nan")
@@ -395,7 +425,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 g = v if q.dtype == torch.float32 else v.to(q.dtype)
                 if g.stride() != q.stride():  # re-laid out since adoption (model.to(channels_last))
                     g = torch.empty_like(q).copy_(g)  # fused kernels pair elements by memory
-                q.grad = g
+                q.grad = _sharded.as_grad(g, q)
         self.optimizer.step()
         for q in slots.targets:
             q.grad = None  # the views alias the buffer; drop them so nothing is held between windows
@@ -411,6 +441,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         """
         for p in self._slots.params:
             p.grad = None
+        if self._sharded is not None:
+            self._sharded.discard()  # sync="window": FSDP2's unsharded gradients of this window
         self._slots.tick()  # what was folded so far belongs to no window
         self._reset_window()
 
@@ -419,6 +451,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._items, self._items_t = 0.0, None
         self._loss, self._pending = None, None
         self._slots.start_window()
+        if self._sharded is not None:
+            self._sharded.before_micro_batch(0, self.accum_steps, self._slots.flat)
 
     # --- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -429,23 +463,41 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             where ``master_weights``) and ``"gradaccel"``: the fp32 masters, the window buffer,
             which parameters got a gradient this window, and the counters. Mid-window the
             buffer is a copy, so the dict stays a consistent snapshot after further steps.
+            On a ``fully_shard`` model the window is one fp32 DTensor per parameter and the
+            inner state has an entry per parameter, so that ``torch.distributed.checkpoint``
+            saves every rank's shard and loads into a fresh optimizer's ``state_dict()``.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim.Optimizer does
             pre_hook(self)
         slots = self._slots
-        sd = self.optimizer.state_dict()
+        unset = None
+        if self._sharded is None:
+            sd = self.optimizer.state_dict()
+            flat = slots.rowmajor(copy=self._micro > 0)  # between windows: unread, not copied
+        else:
+            if self._micro and self._sharded.sync == "window":
+                raise ValueError("sync='window': mid-window the gradients are FSDP2's unsharded ones, "
+                                 "which a state dict cannot hold; save at the end of a window (after "
+                                 "the step() that returned True) or use sync='micro_batch'")
+            self._sharded.hold(slots.flat, True)  # sync="window" releases it between windows
+            sd, unset = _sharded.inner_state_dict(self.optimizer)
+            # A copy mid-window, and with sync="window", whose buffer is released between windows.
+            flat = _sharded.window_dtensors(slots.rowmajor(copy=False), slots.offsets, slots.params,
+                                            copy=self._micro > 0 or self._sharded.sync == "window")
         items = self._items + (self._items_t.item() if self._items_t is not None else 0.0)
         sd["gradaccel"] = {
             "accum_steps": self.accum_steps,
             "normalize": self.normalize,
             "masters": [t if t is not p else None for p, t in zip(slots.params, slots.targets)],
-            "flat": slots.rowmajor(copy=self._micro > 0),  # between windows: unread, not copied
+            "flat": flat,
             "touched": slots.touched(),
             "micro": self._micro,
             "items": items,
             "skipped_steps": self.skipped_steps,
             "last_grad_norm": self.last_grad_norm,
         }
+        if self._sharded is not None:  # inner entries made up for DCP; dropped at load
+            sd["gradaccel"]["unset"] = unset
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             sd = post_hook(self, sd) or sd
         return sd
@@ -465,9 +517,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                              "FusedAccumOptimizer.state_dict() (load the inner optimizer's own "
                              "state dict into opt.optimizer instead)")
         slots = self._slots
-        if extra["flat"].numel() != slots.flat.numel() or len(extra["masters"]) != len(slots.params):
+        flat = extra["flat"]
+        if self._sharded is not None:
+            flat = _sharded.window_flat(flat, slots.params)
+            self._sharded.hold(slots.flat, True)
+        if flat.numel() != slots.flat.numel() or len(extra["masters"]) != len(slots.params):
             raise ValueError("state_dict was saved for different parameters "
-                             f"({extra['flat'].numel()} elements, this optimizer has {slots.flat.numel()})")
+                             f"({flat.numel()} elements, this optimizer has {slots.flat.numel()})")
         if any((m is None) != (t is p) for p, t, m in zip(slots.params, slots.targets, extra["masters"])):
             raise ValueError("state_dict was saved with another master_weights setting or dtypes")
         if extra["normalize"] != self.normalize:
@@ -478,8 +534,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                              f"{extra['accum_steps']}; this optimizer has accum_steps={self.accum_steps}. "
                              "Resume with the same accum_steps (change it between windows)")
         self.optimizer.load_state_dict(sd)
+        inner = [q for group in self.optimizer.param_groups for q in group["params"]]
+        unset = extra.get("unset")
+        for q, drop in zip(inner, unset.tolist() if unset is not None else ()):
+            if drop:
+                self.optimizer.state.pop(q, None)
         with torch.no_grad():
-            slots.load_rowmajor(extra["flat"])
+            slots.load_rowmajor(flat)
             for p, t, m in zip(slots.params, slots.targets, extra["masters"]):
                 if m is not None:
                     t.copy_(m)

@@ -1,23 +1,13 @@
 """FusedAccumOptimizer with a process group: 2 ranks on gloo (CPU) equal single-process
 big-batch training, and a DistributedDataParallel-wrapped model is rejected with guidance."""
 
-import gc
-import json
-import os
-import socket
-import sys
-import time
-import traceback
-import warnings
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import WORLD, run_scenarios  # noqa: F401
 
 from gradaccel.optimizer import FusedAccumOptimizer
 
-WORLD = 2
 TIMEOUT_S = 180
 
 
@@ -95,61 +85,10 @@ def _ddp_rejected(rank):
 SCENARIOS = {"mean": _mean_mode, "items": _items_mode, "ddp": _ddp_rejected}
 
 
-def _worker(rank, port, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    results = {}
-    try:
-        for name, fn in SCENARIOS.items():
-            try:
-                fn(rank)
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        gc.collect()  # the DDP scenario's reducer and its gloo work go before the group does
-        dist.destroy_process_group()
-    # Skip interpreter finalization: gloo's worker threads can still hold tensors then, and freeing
-    # them needs the GIL of an interpreter being torn down, which aborts the rank (SIGABRT, seen in
-    # CI after every scenario had passed). The results are already on disk.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    out = tmp_path_factory.mktemp("dist")
     # One spawn for all scenarios: starting ranks (importing torch) costs more than the tests.
-    ranks = mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    files = [out / f"rank{r}.json" for r in range(WORLD)]
-    try:
-        while not ranks.join(timeout=1):
-            if time.monotonic() > deadline:  # a hung collective must fail the test, not stall CI
-                for p in ranks.processes:
-                    p.kill()
-                pytest.fail(f"the {WORLD} ranks did not finish within {TIMEOUT_S} s")
-    except mp.ProcessExitedException as exc:
-        # A rank writes its file only after the last scenario's barrier: with every file there,
-        # all scenarios ran on all ranks, and what died was the process group's teardown.
-        if not all(f.exists() for f in files):
-            raise
-        warnings.warn(f"a rank died after every scenario had finished (torch.distributed teardown): {exc}")
-    missing = [r for r, f in enumerate(files) if not f.exists()]
-    assert not missing, f"ranks {missing} did not get as far as running the scenarios"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_scenarios(__name__, tmp_path_factory.mktemp("dist"), TIMEOUT_S)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

@@ -63,6 +63,15 @@ def test_ddp_accumulate_two_ranks():
     assert "check: ok" in out, out
 
 
+def test_ddp_accumulate_fsdp_two_ranks():
+    # --fsdp: the same script on an FSDP2 model (fully_shard), one reduce-scatter per window.
+    out = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "examples/ddp_accumulate.py", "--fsdp", "--sync", "window", "--steps", "3", "--accum-steps", "2",
+              "--micro-batch", "4", "--layers", "2", "--width", "16", "--check", finished_marker="check: ok")
+    assert len(window_losses(out)) == 3, out
+    assert "check: ok" in out, out
+
+
 def test_examples_are_short():
     for path in (ROOT / "examples").glob("*.py"):
         assert len(path.read_text().splitlines()) < 150, path
