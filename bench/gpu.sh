@@ -29,12 +29,12 @@ fi
 print('extension built with CUDA:', _ext.load().with_cuda, '| GPU visible:', torch.cuda.is_available())"
 
 echo "== tests (CUDA where a test has a device parameter)"
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
 echo "tests exit $?"
 tail -15 "$OUT/tests.log"
 
 echo "== bench"
-timeout 240 "$PY" -m bench --device cuda --out /tmp/gradaccel-bench --results-md bench/RESULTS.md > "$OUT/bench.log" 2>&1
+timeout 150 "$PY" -m bench --device cuda --out /tmp/gradaccel-bench --results-md bench/RESULTS.md > "$OUT/bench.log" 2>&1
 echo "bench exit $?"
 tail -60 "$OUT/bench.log"
 cp bench/RESULTS.md "$OUT/" 2>/dev/null
