@@ -10,10 +10,10 @@ import weakref
 
 import torch
 import torch.utils.checkpoint as _tc
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
-from gradaccel._plan import Plan, _view, make_plan
+from gradaccel._plan import Plan, _view, make_plan, rebuildable
+from gradaccel._storage import lazy_bits
 from gradaccel._trace import Graph, Recorder, node_kind
 
 
@@ -242,8 +242,7 @@ class TraceFrame(Frame):
             graph = self.graph
             sid = graph.add_pack(t)
             k = len(graph.packs) - 1
-            lazy = t.is_conj() or t.is_neg()  # replay would rebuild the storage without the flag
-            if not lazy and graph.storages[sid].creator >= 0 and graph.recomputable(graph.current(sid)):
+            if not lazy_bits(t) and graph.storages[sid].creator >= 0 and rebuildable(graph, sid):
                 self.dropped.add(sid)
                 return k
             saved = Saved(t)
@@ -298,7 +297,7 @@ class TraceFrame(Frame):
             self.recorder.paused = was
         # What the backward computes from it reads the saved tensor's storage, not a new one.
         sid = self.graph.packs[x].storage
-        self.graph._live[t.untyped_storage()._cdata] = (StorageWeakRef(t.untyped_storage()), sid)
+        self.graph.alias(t, sid)
         return t
 
     @torch._disable_dynamo

@@ -11,6 +11,7 @@ its casts are ops of their own) and the generator restored to its state at regio
 import contextlib
 import dataclasses
 import functools
+import math
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -203,6 +204,24 @@ def rng_bytes(graph: Graph) -> int:
     return cpu.numel() + sum(s.numel() for _, s in cuda)
 
 
+def _problem(graph: Graph, available: list, candidates: list, nbytes: list, values: list):
+    """The planner's view of ``graph`` (see csrc/planner.cpp): ``available`` per storage,
+    and each candidate storage with its bytes and the value backward needs of it."""
+    return _ext.load().PlanProblem(
+        [op.cost for op in graph.ops], [op.replayable for op in graph.ops], [op.reads for op in graph.ops],
+        [p for _, p in graph.values], [s for s, _ in graph.values],
+        [graph.is_leaf_value(v) for v in range(len(graph.values))], available, candidates, nbytes, values)
+
+
+def rebuildable(graph: Graph, sid: int) -> bool:
+    """Whether replay can rebuild storage ``sid`` as it is now from what existed before the
+    region. The planner answers it, as it does for every plan; the traced call asks it of each
+    tensor autograd saves, as the trace so far stands."""
+    available = [s.creator < 0 for s in graph.storages]
+    problem = _problem(graph, available, [sid], [0], [graph.current(sid)])
+    return problem.replay([False])[0] != math.inf
+
+
 def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
               offload_cost_per_byte: float | None = None) -> Plan:
     """Plans ``graph``: under ``budget_bytes``, or (the traced call itself) with exactly the
@@ -227,11 +246,7 @@ def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
     final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
     budget = 0 if dropped is not None else budget_bytes
     nbytes = [storages[s].nbytes for s in candidates]
-    problem = _ext.load().PlanProblem(
-        [op.cost for op in graph.ops], [op.replayable for op in graph.ops], [op.reads for op in graph.ops],
-        [p for _, p in graph.values], [s for s, _ in graph.values],
-        [graph.is_leaf_value(v) for v in range(len(graph.values))], available,
-        candidates, nbytes, [final[s] for s in candidates])
+    problem = _problem(graph, available, candidates, nbytes, [final[s] for s in candidates])
     kept_mask, steps, cost, exact, fits = problem.plan(budget)
     if dropped is not None and any(kept_mask):
         raise RuntimeError(

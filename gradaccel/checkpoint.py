@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 from gradaccel._frames import Frame, OffloadFrame, TraceFrame, store_for
 from gradaccel._plan import Plan, capture_rng, make_plan, offload_cost_per_byte, rng_bytes
 from gradaccel._split import active, module_stack, split_off
+from gradaccel._storage import storage_key
 from gradaccel._trace import DataReads, Graph, Opaque
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
@@ -136,18 +137,15 @@ def _owner(fn):
     return fn, None
 
 
-# Non-tensor arguments that are plain values enter the plan key as they are; anything else
-# (a module passed as an argument, say) by identity, so that the cache never keeps it alive.
-_VALUE_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-
-
-_PLAIN = frozenset({int, float, bool, str, complex})
-_NOT_PLAIN = frozenset({dict, collections.OrderedDict, set, list, type(None)})  # a module's own fields
+_PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size})
+_NOT_PLAIN = frozenset({dict, collections.OrderedDict, set, list})  # a module's own fields
 
 
 def _plain(v) -> bool:
-    """A value a trace freezes in as a constant: a Python or numpy number, a string, or a tuple
-    of those (``normalized_shape``). By exact type first: this runs on every call."""
+    """A value a trace freezes in as a constant, so plans are keyed by its value: a number
+    (Python's or numpy's), a string, bytes, ``None``, a dtype, a device, a ``torch.Size``, or a
+    tuple of those (``normalized_shape``). Anything else (a module, a config object) is keyed by
+    identity, so that the cache never keeps it alive. By exact type first: this runs on every call."""
     t = type(v)
     if t in _PLAIN:
         return True
@@ -155,7 +153,7 @@ def _plain(v) -> bool:
         return False
     if t is tuple:
         return all(type(e) in _PLAIN for e in v)
-    return t.__module__ == "numpy" and isinstance(v, numbers.Number)
+    return isinstance(v, (numbers.Number, str, bytes, torch.dtype, torch.device))
 
 
 def _module_state(m: torch.nn.Module) -> tuple:
@@ -210,9 +208,9 @@ def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
         if isinstance(x, torch.Tensor):
             # Replay reads an argument's storage with the traced strides and offset, and two
             # arguments that shared a storage in the trace are one storage there.
-            alias = storages.setdefault(x.untyped_storage()._cdata, len(storages))
+            alias = storages.setdefault(storage_key(x), len(storages))
             parts.append((x.shape, x.stride(), x.storage_offset(), alias, x.dtype, x.device, x.requires_grad))
-        elif isinstance(x, _VALUE_TYPES):
+        elif _plain(x):
             parts.append((type(x), x))
         elif isinstance(x, torch.nn.Module):
             parts.append((type(x), id(x), _module_state(x)))

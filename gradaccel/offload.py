@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 
 from gradaccel import _ext
+from gradaccel._storage import lazy_bits
 
 __all__ = ["ActivationStore", "HostAllocationError", "copy_bandwidth", "offload_saved_tensors"]
 
@@ -319,7 +320,7 @@ def offload_saved_tensors(store: ActivationStore | None = None, *, min_bytes: in
     def pack(t: torch.Tensor):
         if not _worth_offloading(t, min_bytes):
             return t
-        if t.is_conj() or t.is_neg():  # the bits in the storage are not the values: copy the values
+        if lazy_bits(t):  # copy the values, not the storage
             stored = offload(t)
             return t if stored is None else stored
         base = t._base if t._base is not None else t

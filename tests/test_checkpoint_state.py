@@ -131,7 +131,7 @@ def test_an_output_the_caller_drops_is_not_held():
             with log:
                 y = x + gradaccel.checkpoint(mlp, x, budget=budget)
             gc.collect()
-            alive = sum(nbytes for ref, nbytes in log.created.values() if not ref.expired())
+            alive = sum(nbytes for _, nbytes in log.created.items())  # storages still alive
             assert alive - y.untyped_storage().nbytes() <= plan_rows()[0]["budget_bytes"]
             y.sum().backward()
 
