@@ -13,6 +13,7 @@ import torch.utils.checkpoint as _tc
 from torch.utils._pytree import tree_flatten
 
 from gradaccel._plan import Plan, _view, make_plan, rebuildable
+from gradaccel._roles import Source
 from gradaccel._storage import lazy_bits
 from gradaccel._trace import Graph, Recorder, node_kind
 
@@ -99,7 +100,7 @@ class Frame:
                     "gradaccel.checkpoint: an argument or output of the region was modified in place after "
                     "its forward, and backward recomputes from it; modify a clone instead (or use budget=0, "
                     "which recomputes from the arguments only).")
-        missing = [sid for sid, src in self.plan.leaf_sources.items() if sid not in self.leaves and src[0] != "obj"]
+        missing = [sid for sid, src in self.plan.leaf_sources.items() if sid not in self.leaves and src.source is not Source.OBJ]
         if missing:
             raise RuntimeError(
                 "gradaccel.checkpoint: the region saved different tensors than when it was traced for the same "
@@ -176,7 +177,7 @@ class OffloadFrame(Frame):
             return _view(self._fetch(p.storage), p.size, p.stride, p.offset, p.dtype)
         if self.results is None or x not in self.results:
             for sid, src in self.plan.leaf_sources.items():
-                if src[0] == "offload":
+                if src.source is Source.OFFLOAD:
                     self.leaves[sid] = self._fetch(sid)
         return super().unpack(x)
 
@@ -258,15 +259,14 @@ class TraceFrame(Frame):
         self.plan = make_plan(graph, 0, dropped=self.dropped)
         outs = tree_flatten(out)[0]
         for sid, src in self.plan.leaf_sources.items():
-            kind, x = src
-            if kind == "arg":
-                self.leaves[sid] = self.flat[x]
-            elif kind == "pack":
-                self.leaves[sid] = self.kept[x]
+            if src.source is Source.ARG:
+                self.leaves[sid] = self.flat[src.at]
+            elif src.source is Source.PACK:
+                self.leaves[sid] = self.kept[src.at]
         # What was dropped before it turned out to be an output is taken back from the output,
         # and replay may read outputs that autograd saved; others are not held (the caller may
         # drop them: y = x + f(x)).
-        wanted = self.dropped | {s for s, src in self.plan.leaf_sources.items() if src[0] == "out"}
+        wanted = self.dropped | {s for s, src in self.plan.leaf_sources.items() if src.source is Source.OUT}
         for s, j in graph.outputs.items():
             if s in wanted:
                 self.leaves.setdefault(s, outs[j].detach())
@@ -285,11 +285,11 @@ class TraceFrame(Frame):
             if self.so_far[0] != key:
                 plan = make_plan(self.graph, 0, dropped=self.dropped)
                 leaves = {}
-                for sid, (kind, i) in plan.leaf_sources.items():
-                    if kind == "arg":
-                        leaves[sid] = self.flat[i]
-                    elif kind == "pack":
-                        leaves[sid] = self.kept[i]
+                for sid, src in plan.leaf_sources.items():
+                    if src.source is Source.ARG:
+                        leaves[sid] = self.flat[src.at]
+                    elif src.source is Source.PACK:
+                        leaves[sid] = self.kept[src.at]
                 self.so_far = (key, plan, leaves)
             _, plan, leaves = self.so_far
             t = plan.replay(leaves, self.rng, packs=[x])[x]
@@ -316,7 +316,7 @@ def _versions(leaves: dict, plan: Plan) -> dict:
     """storage -> (tensor, version at the end of the forward) for the arguments and outputs
     that replay reads."""
     return {sid: (leaves[sid], leaves[sid]._version) for sid, src in plan.leaf_sources.items()
-            if src[0] in ("arg", "out") and sid in leaves}
+            if src.source in (Source.ARG, Source.OUT) and sid in leaves}
 
 
 def _same_meta(t: torch.Tensor, pack) -> bool:

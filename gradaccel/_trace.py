@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from gradaccel._roles import Leaf, Source
 from gradaccel._storage import StorageMap, lazy_bits, storage_key
 
 aten = torch.ops.aten
@@ -81,7 +82,7 @@ class Storage:
     nbytes: int
     device: torch.device
     creator: int = -1  # op that allocated it; -1: it existed before the region
-    external: Any = None  # before the region: ("arg", i) or ("obj", weakref to a tensor)
+    external: Any = None  # before the region: a Leaf, from an argument (ARG) or elsewhere (OBJ)
     versions: list = dataclasses.field(default_factory=list)  # value ids, oldest first
 
 
@@ -164,9 +165,9 @@ class Graph:
             return hit
         arg = self._args.get(storage_key(t))
         if arg is not None:
-            external = ("arg", arg)
+            external = Leaf(Source.ARG, arg)
         else:
-            external = ("obj", weakref.ref(t))
+            external = Leaf(Source.OBJ, weakref.ref(t))
             self._strong.append(t)
         sid = self._new_storage(t.untyped_storage().nbytes(), t.device, external=external)
         self._live.set(t, sid)
