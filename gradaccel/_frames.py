@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel._plan import Plan, _view, make_plan, rebuildable
 from gradaccel._roles import Source
+from gradaccel._state import STATE
 from gradaccel._storage import lazy_bits
 from gradaccel._trace import Graph, Recorder, node_kind
 
@@ -140,8 +141,7 @@ class OffloadFrame(Frame):
         self.fell_back = False
         self.prefetched = False
         weakref.finalize(self, _release, store, self.handles)
-        global _previous_offload
-        self.previous, _previous_offload = _previous_offload, weakref.ref(self)
+        self.previous, STATE.previous_offload = STATE.previous_offload, weakref.ref(self)
 
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
@@ -187,16 +187,13 @@ class OffloadFrame(Frame):
         return self.fetched[sid]
 
 
-_previous_offload = None  # the last frame that offloaded: the next one to prefetch in backward
-STORES: dict = {}  # host_budget -> ActivationStore, shared by every region that offloads
-
-
 def store_for(host_budget):
+    """The ActivationStore of every region that offloads with this ``host_budget``."""
     from gradaccel.offload import ActivationStore
 
-    if host_budget not in STORES:
-        STORES[host_budget] = ActivationStore(host_budget)
-    return STORES[host_budget]
+    if host_budget not in STATE.stores:
+        STATE.stores[host_budget] = ActivationStore(host_budget)
+    return STATE.stores[host_budget]
 
 
 def _release(store, handles: dict) -> None:

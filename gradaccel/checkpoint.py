@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 from gradaccel._frames import Frame, OffloadFrame, TraceFrame, store_for
 from gradaccel._plan import Plan, capture_rng, make_plan, offload_cost_per_byte, rng_bytes
 from gradaccel._split import active, module_stack, split_off
+from gradaccel._state import STATE
 from gradaccel._storage import storage_key
 from gradaccel._trace import DataReads, Graph, Opaque
 
@@ -44,12 +45,11 @@ __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "r
 # else runs as torch.utils.checkpoint, which implements it (warned once).
 _TORCH_ONLY_KWARGS = {"context_fn": _tc.noop_context_fn, "determinism_check": "default", "debug": False,
                       "early_stop": True}
-_warned: set = set()
 
 
 def _warn_once(tag: str, message: str) -> None:
-    if tag not in _warned:
-        _warned.add(tag)
+    if tag not in STATE.warned:
+        STATE.warned.add(tag)
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
@@ -116,16 +116,12 @@ def _describe(reason: str) -> str:
 
 
 MAX_PLANS = 64  # signatures (plans) kept per callable; the least recently used goes first
-_REGIONS = weakref.WeakKeyDictionary()  # owner (module or function) -> {signature: _Region}
-_ALL: list = []  # weak references to every region, in creation order, for plan_report()
 
 
 def reset_plans() -> None:
     """Forgets every trace and plan (and which warnings were given): each region is traced
-    again on its next call."""
-    _REGIONS.clear()
-    _ALL.clear()
-    _warned.clear()
+    again on its next call. Idle host buffers of ``offload=True`` go back to the system."""
+    STATE.reset()
 
 
 def _owner(fn):
@@ -284,7 +280,7 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
     key = _signature(func, flat, spec, budget, preserve_rng_state, owner) + (offload, host_budget)
     try:
         # A tensor's == is elementwise, so it cannot key a dict: its methods are traced every call.
-        regions = {} if isinstance(owner, torch.Tensor) else _REGIONS.setdefault(owner, {})
+        regions = {} if isinstance(owner, torch.Tensor) else STATE.regions.setdefault(owner, {})
     except TypeError:  # not weak-referenceable: trace every call (correct, slower)
         regions = {}
     region = regions.pop(key, None)
@@ -343,7 +339,7 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
                    "one runs as a full recompute. Either it sees many input shapes (pad to a few lengths), or "
                    "something it reads changes on every call (a new tensor it closes over, a counter attribute, "
                    "a NaN): pass such tensors as arguments.")
-    _ALL[:] = [r for r in _ALL if r() is not None] + [weakref.ref(region)]
+    STATE.in_order[:] = [r for r in STATE.in_order if r() is not None] + [weakref.ref(region)]
     return out
 
 
@@ -425,7 +421,7 @@ def plan_rows() -> list[dict]:
     """One dict per live traced region: name, signature, calls, bytes held against the budget,
     ops kept, replayed and offloaded, estimated recompute FLOPs, and whether the plan is exact."""
     rows = []
-    for ref in _ALL:
+    for ref in STATE.in_order:
         region = ref()
         if region is None:
             continue
