@@ -2,8 +2,8 @@
 
 A frame's pack hook decides, for the k-th tensor autograd saves, whether it stays (kept),
 leaves (dropped: rebuilt by replay) or goes to host memory (offloaded); its unpack hook hands
-each one back in backward. ``_TraceFrame`` is the first call of a signature, which records
-the trace; ``_OffloadFrame`` adds host memory. See gradaccel/checkpoint.py for the whole.
+each one back in backward. ``TraceFrame`` is the first call of a signature, which records
+the trace; ``OffloadFrame`` adds host memory. See gradaccel/checkpoint.py for the whole.
 """
 
 import weakref
@@ -44,11 +44,15 @@ class Saved:
 class Frame:
     """Keeps or drops each saved tensor as the plan says; rebuilds dropped ones on unpack."""
 
-    def __init__(self, plan: Plan, flat: list, rng):
-        self.plan = plan
-        self.leaves = {sid: flat[i] for sid, i in plan.arg_leaves}
-        self.pack_leaves = {**plan.out_pack_leaves, **plan.pack_leaves}
-        self.out_leaves = plan.out_leaves
+    def __init__(self, plan: Plan | None, flat: list, rng):
+        self.plan = plan  # None for the traced call: its plan is made at its end
+        self.leaves: dict = {}  # storage -> the tensor replay starts from
+        self.pack_leaves: dict = {}  # pack index -> storage: kept tensors replay reads
+        self.out_leaves: list = []  # (storage, output index): outputs replay reads
+        if plan is not None:
+            self.leaves = {sid: flat[i] for sid, i in plan.arg_leaves}
+            self.pack_leaves = {**plan.out_pack_leaves, **plan.pack_leaves}
+            self.out_leaves = plan.out_leaves
         self.rng = rng
         self.k = 0
         self.diverged = False
@@ -206,18 +210,13 @@ class TraceFrame(Frame):
     """The first call: records the graph and drops every saved tensor that can be rebuilt."""
 
     def __init__(self, graph: Graph, flat: list, rng):
+        super().__init__(None, flat, rng)
         self.graph = graph
         self.flat = flat
-        self.rng = rng
         self.dropped: set = set()
         self.kept: dict = {}
         self.recorder = Recorder(graph)
-        self.plan = None
-        self.leaves = {}
-        self.results = None
-        self.versions: dict = {}
         self.taken_back: dict = {}  # output storage -> Saved, as the forward left it
-        self.finished = False
         self.so_far = (None, None, None)  # (trace size, plan, leaves) for a backward inside the forward
 
     def opaque(self, forward, args, kwargs, name):
