@@ -26,9 +26,8 @@ class Saved:
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor):
-        # One that requires grad is detached (it would make a reference cycle through its
-        # grad_fn); any other is the object itself, as torch hands back: a frozen nn.Parameter
-        # keeps its class and Python attributes, and `is` holds.
+        # Detached if it requires grad (else a cycle through its grad_fn); else the object itself, as
+        # torch hands it back: a frozen nn.Parameter keeps its class and attributes, and `is` holds.
         self.tensor = t.detach() if t.requires_grad else t
         self.version = t._version
 
@@ -105,7 +104,8 @@ class Frame:
                     "gradaccel.checkpoint: an argument or output of the region was modified in place after "
                     "its forward, and backward recomputes from it; modify a clone instead (or use budget=0, "
                     "which recomputes from the arguments only).")
-        missing = [sid for sid, src in self.plan.leaf_sources.items() if sid not in self.leaves and src.source is not Source.OBJ]
+        missing = [sid for sid, src in self.plan.leaf_sources.items()
+                   if sid not in self.leaves and src.source is not Source.OBJ]
         if missing:
             raise RuntimeError(
                 "gradaccel.checkpoint: the region saved different tensors than when it was traced for the same "
@@ -259,9 +259,8 @@ class TraceFrame(Frame):
                 self.leaves[sid] = self.flat[src.at]
             elif src.source is Source.PACK:
                 self.leaves[sid] = self.kept[src.at]
-        # What was dropped before it turned out to be an output is taken back from the output,
-        # and replay may read outputs that autograd saved; others are not held (the caller may
-        # drop them: y = x + f(x)).
+        # Taken back from the outputs: what was dropped before it was one, and what replay reads that
+        # autograd saved. Other outputs are not held (the caller may drop them: y = x + f(x)).
         wanted = self.dropped | {s for s, src in self.plan.leaf_sources.items() if src.source is Source.OUT}
         for s, j in graph.outputs.items():
             if s in wanted:

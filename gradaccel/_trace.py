@@ -45,10 +45,8 @@ _STATEFUL = _existing(
 # Ops whose outputs depend on grad mode: replay runs under no_grad, where the RNN kernels
 # return no workspace. Their results are kept, never recomputed.
 _GRAD_MODE_DEPENDENT = _existing("mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn")
-# Ops whose results depend on data in a way a recorded constant would freeze (a Python scalar
-# read from a tensor, as `.item()` and `if tensor:` do, or a data-dependent shape): a trace with
-# one cannot be replayed on later calls. (Ints that only restate shapes, such as the sequence
-# lengths flash attention returns, are fine: shapes are part of the input signature.)
+# Ops whose results depend on tensor data (`.item()`, `if tensor:`, data-dependent shapes): a trace
+# freezes them as constants, so it cannot be replayed. Ints that restate shapes are fine (shapes key plans).
 _DYNAMIC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 # Ops tagged with a dynamic output shape that is static for integer indices: the output takes the
 # indices' shape, and replay reads the indices of the call it rebuilds (MoE routing, x[..., [-2]]).

@@ -84,6 +84,7 @@ class _Region:
 
     @property
     def budget_bytes(self) -> int:
+        """The budget in bytes (what ``budget`` means: see :func:`checkpoint`)."""
         return self.budget if isinstance(self.budget, int) else int(self.budget * self.graph.activation_bytes)
 
     def _plan(self) -> Plan:

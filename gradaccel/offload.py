@@ -200,9 +200,8 @@ class _Stored:
     def __init__(self, store: ActivationStore, handle: int, index: int):
         self.store, self.handle, self.index, self.staged = store, handle, index, False
         self.views = 0  # saved views of this storage
-        # The storage brought back is shared by its views until each has been unpacked once (in
-        # one backward): one host-to-device copy per storage, held no longer than autograd
-        # would hold the original.
+        # Its views share the storage brought back until each is unpacked once (in one backward):
+        # one host-to-device copy per storage, held no longer than autograd holds the original.
         self._unpacked, self._on_device = 0, None
 
     def fetch(self) -> torch.Tensor:
