@@ -254,11 +254,7 @@ class TraceFrame(Frame):
         self.strong = graph.take_externals()  # this call's backward may read them
         self.plan = make_plan(graph, 0, dropped=self.dropped)
         outs = tree_flatten(out)[0]
-        for sid, src in self.plan.leaf_sources.items():
-            if src.source is Source.ARG:
-                self.leaves[sid] = self.flat[src.at]
-            elif src.source is Source.PACK:
-                self.leaves[sid] = self.kept[src.at]
+        self.leaves.update(self._held_leaves(self.plan))
         # Taken back from the outputs: what was dropped before it was one, and what replay reads that
         # autograd saved. Other outputs are not held (the caller may drop them: y = x + f(x)).
         wanted = self.dropped | {s for s, src in self.plan.leaf_sources.items() if src.source is Source.OUT}
@@ -271,6 +267,11 @@ class TraceFrame(Frame):
         self.finished = True
         return True
 
+    def _held_leaves(self, plan: Plan) -> dict:
+        """The leaves of ``plan`` this call holds already: its arguments and the tensors it kept."""
+        return {sid: self.flat[src.at] if src.source is Source.ARG else self.kept[src.at]
+                for sid, src in plan.leaf_sources.items() if src.source in (Source.ARG, Source.PACK)}
+
     def _unpack_in_forward(self, x):
         """A backward inside the forward (a gradient penalty, a nested checkpoint's early
         stop): rebuilds the dropped tensors saved so far from a plan of the trace so far."""
@@ -279,13 +280,7 @@ class TraceFrame(Frame):
             key = (len(self.graph.ops), len(self.graph.packs))  # the trace so far
             if self.so_far[0] != key:
                 plan = make_plan(self.graph, 0, dropped=self.dropped)
-                leaves = {}
-                for sid, src in plan.leaf_sources.items():
-                    if src.source is Source.ARG:
-                        leaves[sid] = self.flat[src.at]
-                    elif src.source is Source.PACK:
-                        leaves[sid] = self.kept[src.at]
-                self.so_far = (key, plan, leaves)
+                self.so_far = (key, plan, self._held_leaves(plan))
             _, plan, leaves = self.so_far
             t = plan.replay(leaves, self.rng, packs=[x])[x]
         finally:
