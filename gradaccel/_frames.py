@@ -2,18 +2,20 @@
 
 A frame's pack hook decides, for the k-th tensor autograd saves, whether it stays (kept),
 leaves (dropped: rebuilt by replay) or goes to host memory (offloaded); its unpack hook hands
-each one back in backward. ``_TraceFrame`` is the first call of a signature, which records
-the trace; ``_OffloadFrame`` adds host memory. See gradaccel/checkpoint.py for the whole.
+each one back in backward. ``TraceFrame`` is the first call of a signature, which records
+the trace; ``OffloadFrame`` adds host memory. See gradaccel/checkpoint.py for the whole.
 """
 
 import weakref
 
 import torch
 import torch.utils.checkpoint as _tc
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
-from gradaccel._plan import Plan, _view, make_plan
+from gradaccel._plan import Plan, _view, make_plan, rebuildable
+from gradaccel._roles import Source
+from gradaccel._state import STATE
+from gradaccel._storage import lazy_bits
 from gradaccel._trace import Graph, Recorder, node_kind
 
 
@@ -24,9 +26,8 @@ class Saved:
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor):
-        # One that requires grad is detached (it would make a reference cycle through its
-        # grad_fn); any other is the object itself, as torch hands back: a frozen nn.Parameter
-        # keeps its class and Python attributes, and `is` holds.
+        # Detached if it requires grad (else a cycle through its grad_fn); else the object itself, as
+        # torch hands it back: a frozen nn.Parameter keeps its class and attributes, and `is` holds.
         self.tensor = t.detach() if t.requires_grad else t
         self.version = t._version
 
@@ -42,11 +43,15 @@ class Saved:
 class Frame:
     """Keeps or drops each saved tensor as the plan says; rebuilds dropped ones on unpack."""
 
-    def __init__(self, plan: Plan, flat: list, rng):
-        self.plan = plan
-        self.leaves = {sid: flat[i] for sid, i in plan.arg_leaves}
-        self.pack_leaves = {**plan.out_pack_leaves, **plan.pack_leaves}
-        self.out_leaves = plan.out_leaves
+    def __init__(self, plan: Plan | None, flat: list, rng):
+        self.plan = plan  # None for the traced call: its plan is made at its end
+        self.leaves: dict = {}  # storage -> the tensor replay starts from
+        self.pack_leaves: dict = {}  # pack index -> storage: kept tensors replay reads
+        self.out_leaves: list = []  # (storage, output index): outputs replay reads
+        if plan is not None:
+            self.leaves = {sid: flat[i] for sid, i in plan.arg_leaves}
+            self.pack_leaves = {**plan.out_pack_leaves, **plan.pack_leaves}
+            self.out_leaves = plan.out_leaves
         self.rng = rng
         self.k = 0
         self.diverged = False
@@ -99,7 +104,8 @@ class Frame:
                     "gradaccel.checkpoint: an argument or output of the region was modified in place after "
                     "its forward, and backward recomputes from it; modify a clone instead (or use budget=0, "
                     "which recomputes from the arguments only).")
-        missing = [sid for sid, src in self.plan.leaf_sources.items() if sid not in self.leaves and src[0] != "obj"]
+        missing = [sid for sid, src in self.plan.leaf_sources.items()
+                   if sid not in self.leaves and src.source is not Source.OBJ]
         if missing:
             raise RuntimeError(
                 "gradaccel.checkpoint: the region saved different tensors than when it was traced for the same "
@@ -139,8 +145,7 @@ class OffloadFrame(Frame):
         self.fell_back = False
         self.prefetched = False
         weakref.finalize(self, _release, store, self.handles)
-        global _previous_offload
-        self.previous, _previous_offload = _previous_offload, weakref.ref(self)
+        self.previous, STATE.previous_offload = STATE.previous_offload, weakref.ref(self)
 
     @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
     def pack(self, t: torch.Tensor):
@@ -176,7 +181,7 @@ class OffloadFrame(Frame):
             return _view(self._fetch(p.storage), p.size, p.stride, p.offset, p.dtype)
         if self.results is None or x not in self.results:
             for sid, src in self.plan.leaf_sources.items():
-                if src[0] == "offload":
+                if src.source is Source.OFFLOAD:
                     self.leaves[sid] = self._fetch(sid)
         return super().unpack(x)
 
@@ -186,16 +191,13 @@ class OffloadFrame(Frame):
         return self.fetched[sid]
 
 
-_previous_offload = None  # the last frame that offloaded: the next one to prefetch in backward
-STORES: dict = {}  # host_budget -> ActivationStore, shared by every region that offloads
-
-
 def store_for(host_budget):
+    """The ActivationStore of every region that offloads with this ``host_budget``."""
     from gradaccel.offload import ActivationStore
 
-    if host_budget not in STORES:
-        STORES[host_budget] = ActivationStore(host_budget)
-    return STORES[host_budget]
+    if host_budget not in STATE.stores:
+        STATE.stores[host_budget] = ActivationStore(host_budget)
+    return STATE.stores[host_budget]
 
 
 def _release(store, handles: dict) -> None:
@@ -208,18 +210,13 @@ class TraceFrame(Frame):
     """The first call: records the graph and drops every saved tensor that can be rebuilt."""
 
     def __init__(self, graph: Graph, flat: list, rng):
+        super().__init__(None, flat, rng)
         self.graph = graph
         self.flat = flat
-        self.rng = rng
         self.dropped: set = set()
         self.kept: dict = {}
         self.recorder = Recorder(graph)
-        self.plan = None
-        self.leaves = {}
-        self.results = None
-        self.versions: dict = {}
         self.taken_back: dict = {}  # output storage -> Saved, as the forward left it
-        self.finished = False
         self.so_far = (None, None, None)  # (trace size, plan, leaves) for a backward inside the forward
 
     def opaque(self, forward, args, kwargs, name):
@@ -242,8 +239,7 @@ class TraceFrame(Frame):
             graph = self.graph
             sid = graph.add_pack(t)
             k = len(graph.packs) - 1
-            lazy = t.is_conj() or t.is_neg()  # replay would rebuild the storage without the flag
-            if not lazy and graph.storages[sid].creator >= 0 and graph.recomputable(graph.current(sid)):
+            if not lazy_bits(t) and graph.storages[sid].creator >= 0 and rebuildable(graph, sid):
                 self.dropped.add(sid)
                 return k
             saved = Saved(t)
@@ -258,16 +254,10 @@ class TraceFrame(Frame):
         self.strong = graph.take_externals()  # this call's backward may read them
         self.plan = make_plan(graph, 0, dropped=self.dropped)
         outs = tree_flatten(out)[0]
-        for sid, src in self.plan.leaf_sources.items():
-            kind, x = src
-            if kind == "arg":
-                self.leaves[sid] = self.flat[x]
-            elif kind == "pack":
-                self.leaves[sid] = self.kept[x]
-        # What was dropped before it turned out to be an output is taken back from the output,
-        # and replay may read outputs that autograd saved; others are not held (the caller may
-        # drop them: y = x + f(x)).
-        wanted = self.dropped | {s for s, src in self.plan.leaf_sources.items() if src[0] == "out"}
+        self.leaves.update(self._held_leaves(self.plan))
+        # Taken back from the outputs: what was dropped before it was one, and what replay reads that
+        # autograd saved. Other outputs are not held (the caller may drop them: y = x + f(x)).
+        wanted = self.dropped | {s for s, src in self.plan.leaf_sources.items() if src.source is Source.OUT}
         for s, j in graph.outputs.items():
             if s in wanted:
                 self.leaves.setdefault(s, outs[j].detach())
@@ -277,6 +267,11 @@ class TraceFrame(Frame):
         self.finished = True
         return True
 
+    def _held_leaves(self, plan: Plan) -> dict:
+        """The leaves of ``plan`` this call holds already: its arguments and the tensors it kept."""
+        return {sid: self.flat[src.at] if src.source is Source.ARG else self.kept[src.at]
+                for sid, src in plan.leaf_sources.items() if src.source in (Source.ARG, Source.PACK)}
+
     def _unpack_in_forward(self, x):
         """A backward inside the forward (a gradient penalty, a nested checkpoint's early
         stop): rebuilds the dropped tensors saved so far from a plan of the trace so far."""
@@ -285,20 +280,14 @@ class TraceFrame(Frame):
             key = (len(self.graph.ops), len(self.graph.packs))  # the trace so far
             if self.so_far[0] != key:
                 plan = make_plan(self.graph, 0, dropped=self.dropped)
-                leaves = {}
-                for sid, (kind, i) in plan.leaf_sources.items():
-                    if kind == "arg":
-                        leaves[sid] = self.flat[i]
-                    elif kind == "pack":
-                        leaves[sid] = self.kept[i]
-                self.so_far = (key, plan, leaves)
+                self.so_far = (key, plan, self._held_leaves(plan))
             _, plan, leaves = self.so_far
             t = plan.replay(leaves, self.rng, packs=[x])[x]
         finally:
             self.recorder.paused = was
         # What the backward computes from it reads the saved tensor's storage, not a new one.
         sid = self.graph.packs[x].storage
-        self.graph._live[t.untyped_storage()._cdata] = (StorageWeakRef(t.untyped_storage()), sid)
+        self.graph.alias(t, sid)
         return t
 
     @torch._disable_dynamo
@@ -317,7 +306,7 @@ def _versions(leaves: dict, plan: Plan) -> dict:
     """storage -> (tensor, version at the end of the forward) for the arguments and outputs
     that replay reads."""
     return {sid: (leaves[sid], leaves[sid]._version) for sid, src in plan.leaf_sources.items()
-            if src[0] in ("arg", "out") and sid in leaves}
+            if src.source in (Source.ARG, Source.OUT) and sid in leaves}
 
 
 def _same_meta(t: torch.Tensor, pack) -> bool:

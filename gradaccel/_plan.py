@@ -11,11 +11,13 @@ its casts are ops of their own) and the generator restored to its state at regio
 import contextlib
 import dataclasses
 import functools
+import math
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradaccel import _ext
+from gradaccel._roles import Leaf, Read, Source
 from gradaccel._trace import FLOPS_PER_BYTE, Graph, Ref
 
 
@@ -26,8 +28,8 @@ class Plan:
     graph: Graph
     keep: list  # per pack: True = keep (the tensor stays alive), False = drop and replay
     steps: list  # op ids to replay, in order
-    reads: dict  # (op id, leaf index) -> "leaf" | "replay" | "meta": where a tensor argument comes from
-    leaf_sources: dict  # storage -> ("pack", k) | ("arg", i) | ("obj", weakref) | ("out", j) | ("offload", s)
+    reads: dict  # (op id, leaf index) -> Read: where a replayed op's tensor argument comes from
+    leaf_sources: dict  # storage -> Leaf: where a call finds each storage replay starts from
     uses_rng: bool
     kept_bytes: int  # activation bytes this plan holds after forward
     total_bytes: int  # activation bytes the region holds without checkpointing
@@ -43,15 +45,15 @@ class Plan:
     # -- what the forward needs (computed once per plan, read by every call's frame) ---------
     @functools.cached_property
     def arg_leaves(self) -> list[tuple[int, int]]:
-        return [(sid, src[1]) for sid, src in self.leaf_sources.items() if src[0] == "arg"]
+        return [(sid, src.at) for sid, src in self.leaf_sources.items() if src.source is Source.ARG]
 
     @functools.cached_property
     def pack_leaves(self) -> dict[int, int]:
-        return {src[1]: sid for sid, src in self.leaf_sources.items() if src[0] == "pack"}
+        return {src.at: sid for sid, src in self.leaf_sources.items() if src.source is Source.PACK}
 
     @functools.cached_property
     def out_leaves(self) -> list[tuple[int, int]]:
-        return [(sid, src[1]) for sid, src in self.leaf_sources.items() if src[0] == "out"]
+        return [(sid, src.at) for sid, src in self.leaf_sources.items() if src.source is Source.OUT]
 
     @property
     def needs_rng(self) -> bool:
@@ -62,7 +64,7 @@ class Plan:
     def externals_alive(self) -> bool:
         """False once a tensor read from outside the arguments has died: the region has
         changed (e.g. a closure captured a new tensor) and must be traced again."""
-        return all(src[1]() is not None for src in self.leaf_sources.values() if src[0] == "obj")
+        return all(src.at() is not None for src in self.leaf_sources.values() if src.source is Source.OBJ)
 
     @functools.cached_property
     def out_pack_leaves(self) -> dict[int, int]:
@@ -71,7 +73,7 @@ class Plan:
         first = {}
         for k, p in enumerate(self.graph.packs):
             first.setdefault(p.storage, k)
-        return {first[sid]: sid for sid, src in self.leaf_sources.items() if src[0] == "out" and sid in first}
+        return {first[sid]: sid for sid, src in self.leaf_sources.items() if src.source is Source.OUT and sid in first}
 
     @functools.cached_property
     def _produced(self) -> dict:
@@ -101,8 +103,8 @@ class Plan:
         graph, env = self.graph, {}
         steps = self.steps if packs is None else self.steps_for(packs)
         for sid, src in self.leaf_sources.items():
-            if src[0] == "obj":
-                t = src[1]()
+            if src.source is Source.OBJ:
+                t = src.at()
                 if t is None:
                     raise RuntimeError(
                         "gradaccel.checkpoint: a tensor the region read from outside its arguments was freed "
@@ -124,9 +126,9 @@ class Plan:
         if not isinstance(x, Ref):
             return x
         where = self.reads[(op_id, i)]
-        if where == "meta":
+        if where is Read.META:
             return torch.empty_strided(x.size, x.stride, dtype=x.dtype, device=x.device)
-        base = env[x.storage] if where == "replay" else leaves[x.storage]
+        base = env[x.storage] if where is Read.REPLAY else leaves[x.storage]
         return _view(base, x.size, x.stride, x.offset, x.dtype)
 
 
@@ -203,6 +205,24 @@ def rng_bytes(graph: Graph) -> int:
     return cpu.numel() + sum(s.numel() for _, s in cuda)
 
 
+def _problem(graph: Graph, available: list, candidates: list, nbytes: list, values: list):
+    """The planner's view of ``graph`` (see csrc/planner.cpp): ``available`` per storage,
+    and each candidate storage with its bytes and the value backward needs of it."""
+    return _ext.load().PlanProblem(
+        [op.cost for op in graph.ops], [op.replayable for op in graph.ops], [op.reads for op in graph.ops],
+        [p for _, p in graph.values], [s for s, _ in graph.values],
+        [graph.is_leaf_value(v) for v in range(len(graph.values))], available, candidates, nbytes, values)
+
+
+def rebuildable(graph: Graph, sid: int) -> bool:
+    """Whether replay can rebuild storage ``sid`` as it is now from what existed before the
+    region. The planner answers it, as it does for every plan; the traced call asks it of each
+    tensor autograd saves, as the trace so far stands."""
+    available = [s.creator < 0 for s in graph.storages]
+    problem = _problem(graph, available, [sid], [0], [graph.current(sid)])
+    return problem.replay([False])[0] != math.inf
+
+
 def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
               offload_cost_per_byte: float | None = None) -> Plan:
     """Plans ``graph``: under ``budget_bytes``, or (the traced call itself) with exactly the
@@ -227,11 +247,7 @@ def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
     final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
     budget = 0 if dropped is not None else budget_bytes
     nbytes = [storages[s].nbytes for s in candidates]
-    problem = _ext.load().PlanProblem(
-        [op.cost for op in graph.ops], [op.replayable for op in graph.ops], [op.reads for op in graph.ops],
-        [p for _, p in graph.values], [s for s, _ in graph.values],
-        [graph.is_leaf_value(v) for v in range(len(graph.values))], available,
-        candidates, nbytes, [final[s] for s in candidates])
+    problem = _problem(graph, available, candidates, nbytes, [final[s] for s in candidates])
     kept_mask, steps, cost, exact, fits = problem.plan(budget)
     if dropped is not None and any(kept_mask):
         raise RuntimeError(
@@ -276,9 +292,9 @@ def _build(graph, region, available, kept, offloaded, steps, cost, exact, fits, 
         for i, x in enumerate(graph.ops[op_id].leaves):
             if isinstance(x, Ref):
                 producer = graph.values[x.value][1]
-                where = "meta" if x.meta_only else "replay" if producer in steps_set else "leaf"
+                where = Read.META if x.meta_only else Read.REPLAY if producer in steps_set else Read.LEAF
                 reads[(op_id, i)] = where
-                if where == "leaf":
+                if where is Read.LEAF:
                     leaf_needed.add(x.storage)
     first_pack = {}
     for k, p in enumerate(graph.packs):
@@ -286,14 +302,13 @@ def _build(graph, region, available, kept, offloaded, steps, cost, exact, fits, 
     leaf_sources = {}
     for s in sorted(leaf_needed):
         if s in graph.outputs:
-            leaf_sources[s] = ("out", graph.outputs[s])
+            leaf_sources[s] = Leaf(Source.OUT, graph.outputs[s])
         elif storages[s].creator < 0:
-            kind, x = storages[s].external
-            leaf_sources[s] = ("arg", x) if kind == "arg" else ("obj", x)
+            leaf_sources[s] = storages[s].external
         elif s in offloaded:
-            leaf_sources[s] = ("offload", s)
+            leaf_sources[s] = Leaf(Source.OFFLOAD, s)
         else:
-            leaf_sources[s] = ("pack", first_pack[s])
+            leaf_sources[s] = Leaf(Source.PACK, first_pack[s])
     return Plan(graph, keep, steps, reads, leaf_sources, any(graph.ops[i].random for i in steps),
                 sum(storages[s].nbytes for s in region if on_device(s)), graph.activation_bytes, budget,
                 sum(graph.ops[i].flops for i in steps), cost, exact, fits,

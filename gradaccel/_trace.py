@@ -14,11 +14,13 @@ import weakref
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from gradaccel._roles import Leaf, Source
+from gradaccel._storage import StorageMap, lazy_bits, storage_key
 
 aten = torch.ops.aten
 
@@ -44,10 +46,8 @@ _STATEFUL = _existing(
 # Ops whose outputs depend on grad mode: replay runs under no_grad, where the RNN kernels
 # return no workspace. Their results are kept, never recomputed.
 _GRAD_MODE_DEPENDENT = _existing("mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn")
-# Ops whose results depend on data in a way a recorded constant would freeze (a Python scalar
-# read from a tensor, as `.item()` and `if tensor:` do, or a data-dependent shape): a trace with
-# one cannot be replayed on later calls. (Ints that only restate shapes, such as the sequence
-# lengths flash attention returns, are fine: shapes are part of the input signature.)
+# Ops whose results depend on tensor data (`.item()`, `if tensor:`, data-dependent shapes): a trace
+# freezes them as constants, so it cannot be replayed. Ints that restate shapes are fine (shapes key plans).
 _DYNAMIC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 # Ops tagged with a dynamic output shape that is static for integer indices: the output takes the
 # indices' shape, and replay reads the indices of the call it rebuilds (MoE routing, x[..., [-2]]).
@@ -81,7 +81,7 @@ class Storage:
     nbytes: int
     device: torch.device
     creator: int = -1  # op that allocated it; -1: it existed before the region
-    external: Any = None  # before the region: ("arg", i) or ("obj", weakref to a tensor)
+    external: Any = None  # before the region: a Leaf, from an argument (ARG) or elsewhere (OBJ)
     versions: list = dataclasses.field(default_factory=list)  # value ids, oldest first
 
 
@@ -139,14 +139,13 @@ class Graph:
         self.activation_bytes = 0
         self.devices: frozenset = frozenset()
         self.preserve_rng_state = preserve_rng_state
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # StorageImpl address -> (ref, id)
+        self._live = StorageMap()  # live storage -> its id
         self._strong: list = []  # externals, held for the traced call's own backward
-        self._recomputable: dict[int, bool] = {}
         self._new_storage(0, torch.device("cpu"))  # Graph.RNG
         self._args = {}
         for i, t in enumerate(flat_args):
             if isinstance(t, torch.Tensor):
-                self._args.setdefault(t.untyped_storage()._cdata, i)
+                self._args.setdefault(storage_key(t), i)
 
     # -- storages and values ---------------------------------------------------------------
     def _new_storage(self, nbytes: int, device, creator: int = -1, external=None) -> int:
@@ -163,26 +162,27 @@ class Graph:
 
     def storage_of(self, t: torch.Tensor) -> int:
         """The id of ``t``'s storage; a storage not seen before existed before the region."""
-        st = t.untyped_storage()
-        key = st._cdata
-        hit = self._live.get(key)
-        if hit is not None and not hit[0].expired():
-            return hit[1]
-        arg = self._args.get(key)
+        hit = self._live.get(t)
+        if hit is not None:
+            return hit
+        arg = self._args.get(storage_key(t))
         if arg is not None:
-            external = ("arg", arg)
+            external = Leaf(Source.ARG, arg)
         else:
-            external = ("obj", weakref.ref(t))
+            external = Leaf(Source.OBJ, weakref.ref(t))
             self._strong.append(t)
-        sid = self._new_storage(st.nbytes(), t.device, external=external)
-        self._live[key] = (StorageWeakRef(st), sid)
+        sid = self._new_storage(t.untyped_storage().nbytes(), t.device, external=external)
+        self._live.set(t, sid)
         return sid
 
     def _created(self, t: torch.Tensor, op: int) -> int:
-        st = t.untyped_storage()
-        sid = self._new_storage(st.nbytes(), t.device, creator=op)
-        self._live[st._cdata] = (StorageWeakRef(st), sid)
+        sid = self._new_storage(t.untyped_storage().nbytes(), t.device, creator=op)
+        self._live.set(t, sid)
         return sid
+
+    def alias(self, t: torch.Tensor, sid: int) -> None:
+        """From now on ``t``'s storage is storage ``sid`` (a saved tensor rebuilt by replay)."""
+        self._live.set(t, sid)
 
     def current(self, sid: int) -> int:
         return self.storages[sid].versions[-1]
@@ -208,7 +208,7 @@ class Graph:
         replayable = (func.overloadpacket not in _STATEFUL and func.overloadpacket not in _GRAD_MODE_DEPENDENT
                       and all(self.storages[s].creator >= 0 for s in written))
         out_leaves, _ = tree_flatten(out)
-        if any(_lazy_bits(t) for t in (*leaves, *out_leaves)):
+        if any(lazy_bits(t) for t in (*leaves, *out_leaves)):
             # A conjugate or negative view: replay sees storages, not these bits. Keep what such
             # ops make, and leave later calls to torch.utils.checkpoint.
             replayable = False
@@ -221,8 +221,7 @@ class Graph:
         for i, o in enumerate(out_leaves):
             if isinstance(o, torch.Tensor):
                 nbytes += o.numel() * o.element_size()
-                hit = self._live.get(o.untyped_storage()._cdata)
-                if hit is None or hit[0].expired() or hit[1] not in known:
+                if self._live.get(o) not in known:
                     new_storages.append((self._created(o, op_id), i))
         for s in written:
             self._new_value(s, op_id)
@@ -277,7 +276,7 @@ class Graph:
         return written
 
     def add_pack(self, t: torch.Tensor) -> int:
-        if _lazy_bits(t):
+        if lazy_bits(t):
             self.mark_dynamic("a saved conjugate or negative view")
         pack = Pack(*self._view_of(t), node_kind(t))
         self.packs.append(pack)
@@ -288,9 +287,9 @@ class Graph:
         ones are its activations: created inside, saved for backward, not returned."""
         for i, o in enumerate(tree_flatten(out)[0]):
             if isinstance(o, torch.Tensor):
-                hit = self._live.get(o.untyped_storage()._cdata)
-                if hit is not None and not hit[0].expired():
-                    self.outputs.setdefault(hit[1], i)
+                hit = self._live.get(o)
+                if hit is not None:
+                    self.outputs.setdefault(hit, i)
         self._live.clear()
         packed = {p.storage for p in self.packs}
         self.activations = [s for s in sorted(packed) if self.storages[s].creator >= 0 and s not in self.outputs]
@@ -304,28 +303,6 @@ class Graph:
         return strong
 
     # -- queries -----------------------------------------------------------------------------
-    def recomputable(self, vid: int) -> bool:
-        """Whether replay can rebuild value ``vid`` from values that exist before the region."""
-        memo, stack = self._recomputable, [vid]
-        while stack:  # post-order over producers; values only read older values, so no cycles
-            v = stack[-1]
-            if v in memo:
-                stack.pop()
-                continue
-            producer = self.values[v][1]
-            if producer < 0:  # an input, or the generator state at entry
-                memo[v] = True
-                stack.pop()
-                continue
-            op = self.ops[producer]
-            pending = [r for r in op.reads if r not in memo]
-            if pending:
-                stack.extend(pending)
-                continue
-            memo[v] = op.replayable and all(memo[r] for r in op.reads)
-            stack.pop()
-        return memo[vid]
-
     def is_leaf_value(self, vid: int) -> bool:
         """A value replay can take as it is, when its storage is at hand (its final version;
         for the generator, its state at entry)."""
@@ -333,11 +310,6 @@ class Graph:
         if sid == Graph.RNG:
             return vid == self.storages[sid].versions[0]
         return vid == self.storages[sid].versions[-1]
-
-
-def _lazy_bits(x) -> bool:
-    """A tensor whose conjugation or negation is a flag, not yet in its storage."""
-    return isinstance(x, torch.Tensor) and (x.is_conj() or x.is_neg())
 
 
 def _integer_index(func, args, kwargs) -> bool:

@@ -35,6 +35,8 @@ from torch.utils._pytree import tree_flatten
 from gradaccel._frames import Frame, OffloadFrame, TraceFrame, store_for
 from gradaccel._plan import Plan, capture_rng, make_plan, offload_cost_per_byte, rng_bytes
 from gradaccel._split import active, module_stack, split_off
+from gradaccel._state import STATE
+from gradaccel._storage import storage_key
 from gradaccel._trace import DataReads, Graph, Opaque
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
@@ -43,12 +45,11 @@ __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "r
 # else runs as torch.utils.checkpoint, which implements it (warned once).
 _TORCH_ONLY_KWARGS = {"context_fn": _tc.noop_context_fn, "determinism_check": "default", "debug": False,
                       "early_stop": True}
-_warned: set = set()
 
 
 def _warn_once(tag: str, message: str) -> None:
-    if tag not in _warned:
-        _warned.add(tag)
+    if tag not in STATE.warned:
+        STATE.warned.add(tag)
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
@@ -92,6 +93,7 @@ class _Region:
 
     @property
     def budget_bytes(self) -> int:
+        """The budget in bytes (what ``budget`` means: see :func:`checkpoint`)."""
         return self.budget if isinstance(self.budget, int) else int(self.budget * self.graph.activation_bytes)
 
     def _plan(self) -> Plan:
@@ -124,16 +126,12 @@ def _describe(reason: str) -> str:
 
 
 MAX_PLANS = 64  # signatures (plans) kept per callable; the least recently used goes first
-_REGIONS = weakref.WeakKeyDictionary()  # owner (module or function) -> {signature: _Region}
-_ALL: list = []  # weak references to every region, in creation order, for plan_report()
 
 
 def reset_plans() -> None:
     """Forgets every trace and plan (and which warnings were given): each region is traced
-    again on its next call."""
-    _REGIONS.clear()
-    _ALL.clear()
-    _warned.clear()
+    again on its next call. Idle host buffers of ``offload=True`` go back to the system."""
+    STATE.reset()
 
 
 def _owner(fn):
@@ -145,18 +143,15 @@ def _owner(fn):
     return fn, None
 
 
-# Non-tensor arguments that are plain values enter the plan key as they are; anything else
-# (a module passed as an argument, say) by identity, so that the cache never keeps it alive.
-_VALUE_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-
-
-_PLAIN = frozenset({int, float, bool, str, complex})
-_NOT_PLAIN = frozenset({dict, collections.OrderedDict, set, list, type(None)})  # a module's own fields
+_PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size})
+_NOT_PLAIN = frozenset({dict, collections.OrderedDict, set, list})  # a module's own fields
 
 
 def _plain(v) -> bool:
-    """A value a trace freezes in as a constant: a Python or numpy number, a string, or a tuple
-    of those (``normalized_shape``). By exact type first: this runs on every call."""
+    """A value a trace freezes in as a constant, so plans are keyed by its value: a number
+    (Python's or numpy's), a string, bytes, ``None``, a dtype, a device, a ``torch.Size``, or a
+    tuple of those (``normalized_shape``). Anything else (a module, a config object) is keyed by
+    identity, so that the cache never keeps it alive. By exact type first: this runs on every call."""
     t = type(v)
     if t in _PLAIN:
         return True
@@ -164,7 +159,7 @@ def _plain(v) -> bool:
         return False
     if t is tuple:
         return all(type(e) in _PLAIN for e in v)
-    return t.__module__ == "numpy" and isinstance(v, numbers.Number)
+    return isinstance(v, (numbers.Number, str, bytes, torch.dtype, torch.device))
 
 
 def _module_state(m: torch.nn.Module) -> tuple:
@@ -219,9 +214,9 @@ def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
         if isinstance(x, torch.Tensor):
             # Replay reads an argument's storage with the traced strides and offset, and two
             # arguments that shared a storage in the trace are one storage there.
-            alias = storages.setdefault(x.untyped_storage()._cdata, len(storages))
+            alias = storages.setdefault(storage_key(x), len(storages))
             parts.append((x.shape, x.stride(), x.storage_offset(), alias, x.dtype, x.device, x.requires_grad))
-        elif isinstance(x, _VALUE_TYPES):
+        elif _plain(x):
             parts.append((type(x), x))
         elif isinstance(x, torch.nn.Module):
             parts.append((type(x), id(x), _module_state(x)))
@@ -295,7 +290,7 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
     key = _signature(func, flat, spec, budget, preserve_rng_state, owner) + (offload, host_budget)
     try:
         # A tensor's == is elementwise, so it cannot key a dict: its methods are traced every call.
-        regions = {} if isinstance(owner, torch.Tensor) else _REGIONS.setdefault(owner, {})
+        regions = {} if isinstance(owner, torch.Tensor) else STATE.regions.setdefault(owner, {})
     except TypeError:  # not weak-referenceable: trace every call (correct, slower)
         regions = {}
     region = regions.pop(key, None)
@@ -355,7 +350,7 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
                    "one runs as a full recompute. Either it sees many input shapes (pad to a few lengths), or "
                    "something it reads changes on every call (a new tensor it closes over, a counter attribute, "
                    "a NaN): pass such tensors as arguments.")
-    _ALL[:] = [r for r in _ALL if r() is not None] + [weakref.ref(region)]
+    STATE.in_order[:] = [r for r in STATE.in_order if r() is not None] + [weakref.ref(region)]
     return out
 
 
@@ -453,7 +448,7 @@ def plan_rows() -> list[dict]:
     ``priced_ops``: the ops with no FLOP formula and how their cost was found (``"measured"``
     in the traced forward, or a conservative ``"bound"``)."""
     rows = []
-    for ref in _ALL:
+    for ref in STATE.in_order:
         region = ref()
         if region is None or getattr(region, "retired", False):
             continue

@@ -1,9 +1,10 @@
 """Exact activation-memory measurement on any device, by storage (as bench/checkpoint.py uses it)."""
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from gradaccel._storage import StorageMap, storage_key
 
 
 class StorageLog(TorchDispatchMode):
@@ -16,20 +17,16 @@ class StorageLog(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.created = StorageMap()  # storage -> its bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # A view or an in-place result shares an input's storage: only new storages count.
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                if st._cdata in inputs:
-                    continue
-                seen = self.created.get(st._cdata)
-                if seen is None or seen[0].expired():  # a freed storage's address can be reused
-                    self.created[st._cdata] = (StorageWeakRef(st), st.nbytes())
+                if storage_key(t) not in inputs and self.created.get(t) is None:
+                    self.created.set(t, t.untyped_storage().nbytes())
         return out
 
 
@@ -43,11 +40,10 @@ def held_activation_bytes(fn, *args, **kwargs):
     Returns:
         ``(output, bytes)``.
     """
-    existing = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    existing = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
     log = StorageLog()
     with log:
         out = fn(*args, **kwargs)
-    outputs = {t.untyped_storage()._cdata for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
-    held = sum(nbytes for key, (ref, nbytes) in log.created.items()
-               if not ref.expired() and key not in outputs and key not in existing)
+    outputs = {storage_key(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+    held = sum(nbytes for key, nbytes in log.created.items() if key not in outputs and key not in existing)
     return out, held

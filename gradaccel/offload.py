@@ -10,24 +10,23 @@ Three entry points:
 
 - :class:`ActivationStore`: offload / prefetch / fetch / release by handle (the planner of
   ``gradaccel.checkpoint`` uses it for the tensors it sends to host memory);
-- :func:`offload_saved_tensors`: a ``saved_tensors_hooks`` context that offloads every saved
+- :class:`offload_saved_tensors`: a ``saved_tensors_hooks`` context that offloads every saved
   activation, the asynchronous counterpart of ``torch.autograd.graph.save_on_cpu``;
 - :func:`copy_bandwidth`: measured copy speeds, for the planner's cost model.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import time
 import warnings
 import weakref
-from typing import Iterator
 
 import torch
 
 from gradaccel import _ext
+from gradaccel._storage import lazy_bits
 
 __all__ = ["ActivationStore", "HostAllocationError", "copy_bandwidth", "offload_saved_tensors"]
 
@@ -201,9 +200,8 @@ class _Stored:
     def __init__(self, store: ActivationStore, handle: int, index: int):
         self.store, self.handle, self.index, self.staged = store, handle, index, False
         self.views = 0  # saved views of this storage
-        # The storage brought back is shared by its views until each has been unpacked once (in
-        # one backward): one host-to-device copy per storage, held no longer than autograd
-        # would hold the original.
+        # Its views share the storage brought back until each is unpacked once (in one backward):
+        # one host-to-device copy per storage, held no longer than autograd holds the original.
         self._unpacked, self._on_device = 0, None
 
     def fetch(self) -> torch.Tensor:
@@ -250,9 +248,7 @@ def _worth_offloading(t: torch.Tensor, min_bytes: int) -> bool:
     return not (base.is_leaf and base.requires_grad)
 
 
-@contextlib.contextmanager
-def offload_saved_tensors(store: ActivationStore | None = None, *, min_bytes: int = 1 << 16,
-                          prefetch_ahead: int = 2) -> Iterator[ActivationStore]:
+class offload_saved_tensors(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (named like torch's save_on_cpu)
     """Offload every activation autograd saves inside the block, through ``store``.
 
     The asynchronous counterpart of ``torch.autograd.graph.save_on_cpu``: the device-to-host
@@ -271,91 +267,100 @@ def offload_saved_tensors(store: ActivationStore | None = None, *, min_bytes: in
         prefetch_ahead: how many storages to bring back ahead of backward's need (0: none).
 
     Returns:
-        A context manager yielding the store. Buffers go back to the pool as autograd frees
-        the saved tensors (after backward, or when the graph is dropped).
-    """
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-        raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
-    if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) or prefetch_ahead < 0:
-        raise ValueError(f"prefetch_ahead must be an int >= 0, got {prefetch_ahead!r}")
-    store = ActivationStore() if store is None else store
-    by_index: weakref.WeakValueDictionary[int, _Stored] = weakref.WeakValueDictionary()
-    # One copy per storage (or per tensor, for small views). Storages' Python objects are not
-    # kept alive, tensors' are: id(base or tensor) -> (weakref to it, its version, the copy).
-    copied: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
+        A ``saved_tensors_hooks`` context manager; entering it returns the store. Buffers go
+        back to the pool as autograd frees the saved tensors (after backward, or when the
+        graph is dropped).
 
-    def lookup(key: torch.Tensor, t: torch.Tensor):
-        hit = copied.get(id(key))
+    Raises:
+        ValueError: ``min_bytes`` or ``prefetch_ahead`` is not an int >= 0.
+    """
+
+    def __init__(self, store: ActivationStore | None = None, *, min_bytes: int = 1 << 16, prefetch_ahead: int = 2):
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+        if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) or prefetch_ahead < 0:
+            raise ValueError(f"prefetch_ahead must be an int >= 0, got {prefetch_ahead!r}")
+        self.store = ActivationStore() if store is None else store
+        self.min_bytes, self.prefetch_ahead = min_bytes, prefetch_ahead
+        self._by_index: weakref.WeakValueDictionary[int, _Stored] = weakref.WeakValueDictionary()
+        # One copy per storage (or per tensor, for small views). Storages' Python objects are not
+        # kept alive, tensors' are: id(base or tensor) -> (weakref to it, its version, the copy).
+        self._copied: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
+        self._counter = itertools.count()
+        self._alloc_warned = False
+        super().__init__(self._pack, self._unpack)
+
+    def __enter__(self) -> ActivationStore:
+        super().__enter__()
+        return self.store
+
+    def _lookup(self, key: torch.Tensor, t: torch.Tensor):
+        hit = self._copied.get(id(key))
         if hit is None:
             return None
         key_ref, version, stored_ref = hit
         stored = stored_ref()
         return stored if key_ref() is key and version == t._version else None
 
-    def remember(key: torch.Tensor, t: torch.Tensor, stored: _Stored) -> None:
-        if len(copied) > 2 * len(by_index) + 64:  # forget what died
+    def _remember(self, key: torch.Tensor, t: torch.Tensor, stored: _Stored) -> None:
+        copied = self._copied
+        if len(copied) > 2 * len(self._by_index) + 64:  # forget what died
             for k in [k for k, (r, _, q) in copied.items() if r() is None or q() is None]:
                 del copied[k]
         copied[id(key)] = (weakref.ref(key), t._version, weakref.ref(stored))
-    counter = itertools.count()
-    alloc_warned = False
 
-    def offload(t: torch.Tensor) -> _Stored | None:
-        nonlocal alloc_warned
+    def _offload(self, t: torch.Tensor) -> _Stored | None:
         try:
-            handle = store.offload(t)
+            handle = self.store.offload(t)
         except HostAllocationError as exc:
-            if not alloc_warned:
-                alloc_warned = True
+            if not self._alloc_warned:
+                self._alloc_warned = True
                 warnings.warn(f"gradaccel offload_saved_tensors: keeping tensors on the device: {exc}", RuntimeWarning,
                               stacklevel=3)
             return None
         if handle is None:
             return None
-        stored = _Stored(store, handle, next(counter))
-        by_index[stored.index] = stored
+        stored = _Stored(self.store, handle, next(self._counter))
+        self._by_index[stored.index] = stored
         return stored
 
-    def pack(t: torch.Tensor):
-        if not _worth_offloading(t, min_bytes):
+    def _pack(self, t: torch.Tensor):
+        if not _worth_offloading(t, self.min_bytes):
             return t
-        if t.is_conj() or t.is_neg():  # the bits in the storage are not the values: copy the values
-            stored = offload(t)
+        if lazy_bits(t):  # copy the values, not the storage
+            stored = self._offload(t)
             return t if stored is None else stored
         base = t._base if t._base is not None else t
-        stored = lookup(base, t)
+        stored = self._lookup(base, t)
         if stored is not None:
             return _View(stored, t)
         storage = t.untyped_storage()
         if storage.nbytes() > 4 * t.numel() * t.element_size():
             # A small view of a big storage: copy just the view (once, if saved twice).
-            stored = lookup(t, t) or offload(t)
+            stored = self._lookup(t, t) or self._offload(t)
             if stored is None:
                 return t
-            remember(t, t, stored)
+            self._remember(t, t, stored)
             return stored
-        stored = offload(t.new_empty(0, dtype=torch.uint8).set_(storage))
+        stored = self._offload(t.new_empty(0, dtype=torch.uint8).set_(storage))
         if stored is None:
             return t
-        remember(base, t, stored)
+        self._remember(base, t, stored)
         return _View(stored, t)
 
-    def unpack(p):
+    def _unpack(self, p):
         if isinstance(p, _View):
             stored = p.stored
         elif isinstance(p, _Stored):
             stored = p
         else:
             return p
-        for i in range(stored.index - 1, stored.index - 1 - prefetch_ahead, -1):
-            q = by_index.get(i)
+        for i in range(stored.index - 1, stored.index - 1 - self.prefetch_ahead, -1):
+            q = self._by_index.get(i)
             if q is not None and not q.staged:
                 q.staged = True
-                store.prefetch(q.handle)
+                self.store.prefetch(q.handle)
         return p.unpack() if isinstance(p, _View) else stored.fetch()
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield store
 
 
 # ---- copy bandwidth ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import gradaccel
 from bench.models import Block, GPTConfig
+from gradaccel._state import STATE
 from gradaccel.checkpoint import plan_report, plan_rows, reset_plans
 from gradaccel.measure import held_activation_bytes
 
@@ -383,7 +384,7 @@ def test_plan_report_is_a_readable_table():
 
 # -- offload: keep, offload or recompute under one budget --------------------------------------
 def _store():
-    return sys.modules["gradaccel._frames"].STORES
+    return STATE.stores
 
 
 @pytest.fixture

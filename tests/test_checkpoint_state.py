@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import gradaccel
+from gradaccel._state import STATE
 from gradaccel.checkpoint import plan_rows, reset_plans
 from gradaccel.measure import StorageLog
 
@@ -131,7 +132,7 @@ def test_an_output_the_caller_drops_is_not_held():
             with log:
                 y = x + gradaccel.checkpoint(mlp, x, budget=budget)
             gc.collect()
-            alive = sum(nbytes for ref, nbytes in log.created.values() if not ref.expired())
+            alive = sum(nbytes for _, nbytes in log.created.items())  # storages still alive
             assert alive - y.untyped_storage().nbytes() <= plan_rows()[0]["budget_bytes"]
             y.sum().backward()
 
@@ -286,7 +287,7 @@ def test_module_with_a_cycle_and_state_that_changes_every_call(monkeypatch):
             _MASK = torch.full((4, 8), float(step))
             alive.append(_MASK)
             assert_equal(grads(lambda t: gradaccel.checkpoint(_masked, t, budget=0.5), x), grads(_masked, x))
-    assert len(sys.modules["gradaccel.checkpoint"]._REGIONS[_masked]) == 3
+    assert len(STATE.regions[_masked]) == 3
 
 
 _MASK = None
@@ -294,3 +295,24 @@ _MASK = None
 
 def _masked(t):
     return torch.tanh(_LIN(t) * _MASK).exp()
+
+
+def test_reset_plans_clears_every_piece_of_state_and_gives_host_buffers_back(monkeypatch):
+    # Copies priced as free: the planned call offloads what it drops, so the store holds buffers.
+    monkeypatch.setattr(sys.modules["gradaccel.checkpoint"], "offload_cost_per_byte", lambda device: 1e-9)
+    net, x = _mlp(), torch.randn(32, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match="use_reentrant=True"):
+        for _ in range(2):  # the traced call, then one that offloads
+            gradaccel.checkpoint(net, x, budget=0.0, offload=True, use_reentrant=True).sum().backward()
+    (store,) = STATE.stores.values()
+    assert store.bytes_reserved > 0 and plan_rows()[0]["offloaded_bytes"] > 0
+    assert STATE.regions and STATE.in_order and STATE.warned and STATE.previous_offload is not None
+    reset_plans()
+    assert store.bytes_reserved == 0  # the pool's idle buffers went back to the system
+    assert not (STATE.regions or STATE.in_order or STATE.warned or STATE.stores) and STATE.previous_offload is None
+    assert plan_rows() == []
+    # Every field is checked above: a new piece of state must be added to this test.
+    assert set(vars(STATE)) == {"regions", "in_order", "warned", "stores", "previous_offload"}
+    with pytest.warns(UserWarning, match="use_reentrant=True"):  # warned again, traced again
+        gradaccel.checkpoint(net, x, budget=0.0, offload=True, use_reentrant=True).sum().backward()
+    assert plan_rows()[0]["calls"] == 1

@@ -288,6 +288,19 @@ def test_hooks_skip_parameters_and_small_tensors():
     assert store.stats()["handles"] == 0  # dropping a graph without backward releases its buffers
 
 
+def test_hooks_are_saved_tensors_hooks_that_enter_as_the_store():
+    hooks = offload_saved_tensors(min_bytes=0)
+    assert isinstance(hooks, torch.autograd.graph.saved_tensors_hooks)
+    x = torch.randn(64, 64, requires_grad=True)
+    with hooks as store:
+        y = (x * 2).exp()  # exp saves its output: offloaded
+    assert store is hooks.store and store.stats()["handles"] == 1
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * (x.detach() * 2).exp())  # the same kernels, so bit for bit
+    with pytest.raises(ValueError, match="min_bytes"):
+        offload_saved_tensors(min_bytes=-1)
+
+
 def test_hooks_copy_each_storage_once():
     torch.manual_seed(0)
     inp, w = torch.randn(64, 64), torch.randn(64, 192, requires_grad=True)
