@@ -107,6 +107,7 @@ class Kind:
     zero: Point = None
     forward_cost: float = 0.0  # the planner's cost of one forward of the block
     frontier: list = dataclasses.field(default_factory=list)  # by kept bytes, cost decreasing
+    input_grads: tuple = ()  # which tensor inputs require grad, in the traced call
     _peaks: dict = dataclasses.field(default_factory=dict)
 
     def plan_at(self, budget: int) -> Point:
@@ -186,10 +187,21 @@ class Profile:
                 b.forward = f
 
     def _trace_block(self, i, forward, *args, **kwargs):
+        flat, _ = tree_flatten((args, kwargs))
+        grads = tuple(t.requires_grad for t in flat if isinstance(t, torch.Tensor))
         kind = self.kind_of[i]
+        if kind.graph is not None and kind.input_grads != grads:
+            # Same block, other inputs (the first block behind frozen embeddings): its own kind.
+            kind.blocks.remove(i)
+            kind = next((k for k in self.kinds if k.key == (kind.key, grads)), None)
+            if kind is None:
+                kind = Kind((self.kind_of[i].key, grads), [])
+                self.kinds.append(kind)
+            kind.blocks.append(i)
+            self.kind_of[i] = kind
         if kind.graph is not None:
             return _run_plan(forward, kind.zero.plan, args, kwargs)
-        flat, _ = tree_flatten((args, kwargs))
+        kind.input_grads = grads
         graph = Graph(flat, True)
         devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
         frame = TraceFrame(graph, flat, capture_rng(devices))

@@ -83,10 +83,32 @@ def fake_model(config, dtype=torch.bfloat16, layers=None, lora=None):
     with fake_mode():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if lora:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=_LORA_TARGETS))
+            model.requires_grad_(False)
+            for block in find_blocks(model):
+                for name, m in list(block.named_modules()):
+                    for child, sub in list(m.named_children()):
+                        if isinstance(sub, nn.Linear) and child in _LORA_TARGETS:
+                            setattr(m, child, LoRALinear(sub, lora))
+            model.enable_input_require_grads()  # as checkpoint_blocks does for a model with adapters
     return model
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a rank-``r`` adapter, computed as peft's LoRA ``Linear`` does
+    by default (adapters in fp32, the input cast to fp32 for them, no dropout), so that a model
+    built here holds the activations a peft model holds. (peft itself cannot be applied to
+    fake tensors: moving its adapters swaps tensors.)"""
+
+    def __init__(self, base: nn.Linear, r: int):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, dtype=torch.float32)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, dtype=torch.float32)
+        self.scaling = 2.0
+
+    def forward(self, x):
+        result = self.base_layer(x)
+        return (result + self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling).to(result.dtype)
 
 
 def _period(config) -> int:
@@ -320,11 +342,17 @@ class Fit:
         return "\n".join(lines)
 
 
-class _Setup:
-    """A model ready to profile: the module (or the fake one built from a config), the layout
-    of its blocks on a shallower profiled copy, and its fixed parts."""
+class Planner:
+    """A model ready to plan for: the module (or the fake one built from a config), the layout
+    of its blocks on a shallower profiled copy, its fixed parts, and a profile per input shape
+    (made once, reused by every budget asked of it). :func:`estimate` and :func:`fit` build
+    one; keep one to ask many questions of the same model.
 
-    def __init__(self, model, optim, lora, load_in_4bit, dtype, master_weights):
+    Args: as :func:`fit`'s.
+    """
+
+    def __init__(self, model, optim="adamw", lora=None, load_in_4bit=False, dtype=torch.bfloat16,
+                 master_weights=False):
         if isinstance(model, nn.Module):
             self.model, self.profiled, self.layout = model, model, None
         else:
@@ -335,16 +363,11 @@ class _Setup:
             self.model = fake_model(config, dtype, lora=lora)
             self.profiled = self.model if depth == full else fake_model(config, dtype, layers=depth, lora=lora)
             self.layout = [i if i < period else period + (i - period) % period for i in range(full)]
-            if load_in_4bit or lora:
-                for name, p in self.model.named_parameters():
-                    if "lora_" not in name:
-                        p.requires_grad_(False)
-                for name, p in self.profiled.named_parameters():
-                    if "lora_" not in name:
-                        p.requires_grad_(False)
+            if load_in_4bit and not lora:
+                raise ValueError("load_in_4bit needs lora: 4-bit weights are frozen, only adapters train")
         self.blocks = len(find_blocks(self.model))
         self.static = static_parts(self.model, optim, master_weights, load_in_4bit)
-        self.load_in_4bit = load_in_4bit
+        self.load_in_4bit, self.lora = load_in_4bit, lora
         self.profiles = {}
 
     def profile(self, seq, micro_batch) -> Profile:
@@ -373,11 +396,51 @@ class _Setup:
             out["peak"] += self._largest_linear(prof)
         return out
 
+    def estimate(self, seq: int, micro_batch: int, budget=None) -> Fit:
+        """See :func:`estimate`."""
+        prof = self.profile(seq, micro_batch)
+        chosen = {}
+        for kind, _ in self.kinds(prof):
+            b = budget if not isinstance(budget, (list, tuple)) else budget[kind.blocks[0]]
+            if b is None or isinstance(b, float):
+                b = max(1, int((b or 0.0) * kind.graph.activation_bytes))
+            chosen[id(kind)] = kind.plan_at(b)
+        return _evaluate(self, seq, micro_batch, micro_batch, chosen)
+
+    def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None) -> Fit:
+        """See :func:`fit`."""
+        memory = parse_bytes(memory, "memory")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            raise ValueError(f"seq must be an int >= 1, got {seq!r}")
+        slack = (memory // 20 + (512 << 20) if memory > (4 << 30) else memory // 20) if slack is None else \
+            parse_bytes(slack, "slack")
+        usable = memory - slack
+        setup = self
+        sizes = micro_batches or [d for d in range(1, batch + 1) if batch % d == 0]
+        results = []
+        for mb in sorted(sizes):
+            r = _best_for(setup, seq, mb, batch, usable)
+            if r is None:
+                break  # a larger micro-batch needs more
+            results.append(r)
+        if results:
+            # Least predicted time per optimizer step; within 0.5%, the larger micro-batch.
+            least = min(r.step_cost for r in results)
+            best = max((r for r in results if r.step_cost <= least * 1.005), key=lambda r: r.micro_batch)
+            best.memory, best.slack = memory, slack
+            return best
+        worst = _evaluate(setup, seq, 1, batch, {id(k): k.frontier[0] for k, _ in setup.kinds(setup.profile(seq, 1))})
+        worst.memory, worst.slack, worst.fits = memory, slack, False
+        worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit)
+        return worst
+
     def _largest_linear(self, prof) -> int:
         return max((m.weight.numel() * 2 for b in prof.blocks for m in b.modules() if isinstance(m, nn.Linear)), default=0)
 
 
-def _evaluate(setup: _Setup, seq, micro_batch, batch, chosen, exact=True) -> Fit:
+def _evaluate(setup: Planner, seq, micro_batch, batch, chosen, exact=True) -> Fit:
     prof = setup.profile(seq, micro_batch)
     points = setup.expand(prof, chosen)
     pred = setup.predict(prof, points, exact)
@@ -411,25 +474,18 @@ def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", l
         model: an ``nn.Module`` (real or fake tensors; not run), a preset name, a config.json
             path or a transformers config (built on fake tensors, in ``dtype``).
         seq, micro_batch: the input shape ``(micro_batch, seq)`` of token ids.
-        budget: per block, as ``checkpoint_blocks``'s (an int of bytes, a fraction, None for
-            nothing kept), or a list of int budgets, one per block.
+        budget: per block, as ``checkpoint_blocks``'s: an int of bytes, or a fraction (None and
+            0.0 are predicted as gradaccel's keep-nothing plan, a 1-byte budget), or a list of
+            int budgets, one per block.
         optim, lora, load_in_4bit, master_weights: as for :func:`fit`.
 
     Returns:
         Fit: ``peak`` and ``parts`` (accumulation steps 1).
     """
-    setup = _Setup(model, optim, lora, load_in_4bit, dtype, master_weights)
-    prof = setup.profile(seq, micro_batch)
-    chosen = {}
-    for kind, _ in setup.kinds(prof):
-        b = budget if not isinstance(budget, (list, tuple)) else budget[kind.blocks[0]]
-        if b is None or isinstance(b, float):
-            b = max(1, int((b or 0.0) * kind.graph.activation_bytes))
-        chosen[id(kind)] = kind.plan_at(b)
-    return _evaluate(setup, seq, micro_batch, micro_batch, chosen)
+    return Planner(model, optim, lora, load_in_4bit, dtype, master_weights).estimate(seq, micro_batch, budget)
 
 
-def _best_for(setup: _Setup, seq, micro_batch, batch, usable) -> Fit | None:
+def _best_for(setup: Planner, seq, micro_batch, batch, usable) -> Fit | None:
     """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes."""
     prof = setup.profile(seq, micro_batch)
     kinds = setup.kinds(prof)
@@ -490,32 +546,8 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
         Fit: micro-batch, accumulation steps, per-block budgets, predicted peak with its parts
         and step time; ``fits`` False (with ``suggestions``) when nothing fits.
     """
-    memory = parse_bytes(memory, "memory")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-        raise ValueError(f"seq must be an int >= 1, got {seq!r}")
-    slack = (memory // 20 + (512 << 20) if memory > (4 << 30) else memory // 20) if slack is None else \
-        parse_bytes(slack, "slack")
-    usable = memory - slack
-    setup = _Setup(model, optim, lora, load_in_4bit, dtype, master_weights)
-    sizes = micro_batches or [d for d in range(1, batch + 1) if batch % d == 0]
-    results = []
-    for mb in sorted(sizes):
-        r = _best_for(setup, seq, mb, batch, usable)
-        if r is None:
-            break  # a larger micro-batch needs more
-        results.append(r)
-    if results:
-        # Least predicted time per optimizer step; within 0.5%, the larger micro-batch.
-        least = min(r.step_cost for r in results)
-        best = max((r for r in results if r.step_cost <= least * 1.005), key=lambda r: r.micro_batch)
-        best.memory, best.slack = memory, slack
-        return best
-    worst = _evaluate(setup, seq, 1, batch, {id(k): k.frontier[0] for k, _ in setup.kinds(setup.profile(seq, 1))})
-    worst.memory, worst.slack, worst.fits = memory, slack, False
-    worst.suggestions = _suggest(setup, worst, usable, lora, load_in_4bit)
-    return worst
+    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights)
+    return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)
 
 
 def _suggest(setup, worst, usable, lora, load_in_4bit) -> list:
