@@ -106,9 +106,13 @@ class Kind:
     kwargs: dict = dataclasses.field(default_factory=dict)
     zero: Point = None
     forward_cost: float = 0.0  # the planner's cost of one forward of the block
-    frontier: list = dataclasses.field(default_factory=list)  # by kept bytes, cost decreasing
     input_grads: tuple = ()  # which tensor inputs require grad, in the traced call
     _peaks: dict = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def frontier(self) -> list:
+        """Plans from keeping least to keeping all, each cheaper to recompute than the last."""
+        return _points(self)
 
     def plan_at(self, budget: int) -> Point:
         """The plan ``gradaccel.checkpoint`` makes at ``budget`` bytes (its own planning code)."""
@@ -212,14 +216,20 @@ class Profile:
         kind.graph, kind.args, kind.kwargs = graph, args, kwargs
         kind.forward_cost = sum(op.cost for op in graph.ops)
         kind.zero = kind.plan_at(1)
-        kind.frontier = _points(kind)
+        if i == self._last_new:
+            raise _Traced  # every kind is traced: the rest of the forward is not needed
         return out
 
     def _trace_pass(self):
+        # The last block whose kind is not decided by an earlier one (inputs needing grad can
+        # still split the first block off, so at least the second block is traced).
+        self._last_new = max(max(k.blocks[0] for k in self.kinds), min(1, len(self.blocks) - 1))
         originals = self._install(self._trace_block)
         try:
             with self.mode, torch.enable_grad():
                 self.step(self.model, self.batch)
+        except _Traced:
+            pass
         finally:
             self._uninstall(originals)
         for k in self.kinds:
@@ -292,14 +302,20 @@ class Profile:
             try:
                 with self.mode, torch.enable_grad(), live:
                     out = _run_plan(forward, plan, kind.args, kind.kwargs)
+                    forward_peak = live.peak
                     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
                     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
                     del out, outs
             finally:
                 for h in handles:
                     h.remove()
-            kind._peaks[key] = live.peak
-        return kind._peaks[key]
+            kind._peaks[key] = (forward_peak, live.peak)
+        return kind._peaks[key][1]
+
+    def block_forward_peak(self, kind: Kind, point) -> int:
+        """As :meth:`block_peak`, the peak during the forward alone."""
+        self.block_peak(kind, point)
+        return kind._peaks[KEEP_ALL if point == KEEP_ALL else point.budget][0]
 
     def block_peak_estimate(self, kind: Kind, point: Point) -> int:
         """:meth:`block_peak` without running the block: the larger of replay's moment (what is
@@ -318,8 +334,9 @@ class Profile:
 
         From the skeleton (every block at the keep-nothing plan) each phase's start and peak;
         a plan that keeps ``K`` bytes more adds ``K`` to everything after its block's forward
-        until its backward, and changes its own backward by the difference of its standalone
-        peaks (:meth:`block_peak`, or :meth:`block_peak_estimate` when ``exact`` is False).
+        until its backward, and changes its own forward and backward by the difference of its
+        standalone peaks (:meth:`block_peak`; when ``exact`` is False, without running blocks:
+        :meth:`block_peak_estimate`, and ``K`` for the forward, which is never less).
         ``layout[i]`` is the profiled block that block ``i`` repeats, for a model profiled with
         fewer blocks than it has (the default: block ``i`` is profiled block ``i``).
 
@@ -337,7 +354,8 @@ class Profile:
             kind, p = self.kind_of[s], points[i]
             dk = p.kept - kind.zero.kept
             H += pre[s] - (held[s - 1] if s > 0 else pre[0])
-            best = max(best, (H + ph[("fwd", s)][1] - pre[s] + dk, ("fwd", i), blocks, H), key=_first)
+            grow = (self.block_forward_peak(kind, p) - self.block_forward_peak(kind, kind.zero)) if exact else dk
+            best = max(best, (H + ph[("fwd", s)][1] - pre[s] + grow, ("fwd", i), blocks, H), key=_first)
             H += held[s] - pre[s] + dk
             blocks += held[s] - pre[s] + dk
             after.append((H, blocks))
@@ -363,6 +381,10 @@ class Profile:
         rc = sum(p.cost for p in points)
         fc = sum(self.kind_of[i].forward_cost for i in range(len(points)))
         return rc, fc
+
+
+class _Traced(Exception):
+    pass
 
 
 def _first(x):

@@ -127,3 +127,30 @@ class LiveBytes(TorchDispatchMode):
             if self.live > peak:
                 self.phases[self.phase] = (start, self.live)
         return out
+
+
+def measured_peak(model, optimizer, step, batch, windows: int = 2) -> int:
+    """The real peak of live tensor bytes over a training window, on any device.
+
+    Runs ``windows`` windows of ``optimizer.accum_steps`` micro-steps (``step(model, batch)``
+    returns the loss; then ``backward``, ``optimizer.step()``, ``zero_grad()``) and returns what
+    existed before (parameters, buffers, the fp32 window buffer, optimizer state) plus the
+    peak of :class:`LiveBytes` during the last window, once the optimizer state exists.
+    """
+    accum = getattr(optimizer, "accum_steps", 1)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    before = storage_bytes(list(model.parameters()) + list(model.buffers())
+                           + [getattr(optimizer, "grad_buffer", None)]
+                           + [t for s in inner.state.values() for t in tree_flatten(s)[0]])
+    live = LiveBytes()
+    with live:
+        for w in range(windows):
+            if w == windows - 1:
+                live.reset_peak()
+            for _ in range(accum):
+                loss = step(model, batch)
+                loss.backward()
+                del loss
+                optimizer.step()
+                optimizer.zero_grad()
+    return before + live.peak
