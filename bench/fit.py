@@ -1,0 +1,108 @@
+"""The `fit` suite: gradaccel.fit's predicted peak of a training step against the real one.
+
+Per case (a tiny Hugging Face Llama, a sequence length, a micro-batch, a per-block budget as a
+fraction of a block's activation bytes), side by side:
+
+- ``gradaccel-measured``: the real peak of live tensor bytes (gradaccel.memory.LiveBytes, a
+  dispatch-mode counter, plus the weights, fp32 window buffer and optimizer state that exist
+  before) over a window of steps, blocks checkpointed at that budget, FusedAccumOptimizer;
+- ``gradaccel-predicted``: gradaccel.fit's prediction, made on fake tensors before any step;
+- ``torch-nockpt``: the same model and batch trained stock (no checkpointing, AdamW with its
+  own ``.grad``), measured the same way: what the checkpointed plans are saving.
+
+The table divides by ``gradaccel-measured``: the predicted column is predicted/measured.
+On CUDA the measured variant is also taken with ``torch.cuda.max_memory_allocated``.
+"""
+
+import torch
+
+import gradaccel
+from bench.common import progress, row, tiny
+from gradaccel.fit import Planner, find_blocks, hf_step
+from gradaccel.memory import measured_peak
+
+SUITE = "fit"
+BASELINE = "gradaccel-measured"
+TABLE_METRICS = ["peak_bytes"]
+
+
+def _cases(quick: bool):
+    shapes = [(64, 176, 3, 4, 2, 512)] if tiny() or quick else [(64, 176, 3, 4, 2, 512), (128, 344, 4, 8, 4, 2048)]
+    seqs = (64,) if tiny() else (128, 512)
+    fractions = (0.25,) if tiny() else (0.05, 0.5, 1.0)
+    return [(s, q, mb, f) for s in shapes for q in seqs for mb in ((2,) if tiny() else (1, 4)) for f in fractions]
+
+
+def _model(shape, device):
+    import transformers
+
+    hidden, inter, layers, heads, kv, vocab = shape
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                                   max_position_embeddings=1024)
+    return transformers.LlamaForCausalLM(cfg).to(device).train()
+
+
+def run(device: str, quick: bool) -> list[dict]:
+    rows, planners = [], {}
+    cases = _cases(quick)
+    for i, (shape, seq, mb, frac) in enumerate(cases, 1):
+        h, _, layers, _, _, vocab = shape
+        case = f"llama{layers}x(h{h},V{vocab}) T{seq} mb{mb} b{frac}"
+        progress(case, i, len(cases))
+        if shape not in planners:
+            gradaccel.reset_plans()
+            model = _model(shape, device)
+            gradaccel.checkpoint_blocks(model, budget=1)
+            planners[shape] = (model, Planner(model, optim=torch.optim.AdamW(model.parameters())))
+        model, planner = planners[shape]
+        prof = planner.profile(seq, mb)
+        budgets = [max(1, int(frac * prof.kind_of[j].graph.activation_bytes)) for j in range(len(prof.blocks))]
+        predicted = planner.estimate(seq, mb, budgets).peak
+        ids = torch.randint(0, vocab, (mb, seq), device=device)
+        batch = {"input_ids": ids, "labels": ids}
+        for block, b in zip(find_blocks(model), budgets):
+            block._gradaccel_budget = b
+        opt = gradaccel.FusedAccumOptimizer(torch.optim.AdamW(model.parameters()), 1)
+        measured = measured_peak(model, opt, hf_step, batch)
+        del opt
+        rows.append(row(SUITE, case, "gradaccel-predicted", "peak_bytes", predicted, "B", device))
+        rows.append(row(SUITE, case, "gradaccel-measured", "peak_bytes", measured, "B", device))
+        stock = _model(shape, device)
+        rows.append(row(SUITE, case, "torch-nockpt", "peak_bytes",
+                        measured_peak(stock, torch.optim.AdamW(stock.parameters()), hf_step, batch), "B", device))
+        model.zero_grad(set_to_none=True)
+    return rows
+
+
+def plot(rows: list[dict], out_dir: str) -> list[str]:
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {}
+    for r in rows:
+        by.setdefault(r["case"], {})[r["variant"]] = r["value"]
+    pairs = [(v["gradaccel-measured"], v["gradaccel-predicted"]) for v in by.values()
+             if "gradaccel-measured" in v and "gradaccel-predicted" in v]
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    if pairs:
+        xs, ys = [m / 2**20 for m, _ in pairs], [p / 2**20 for _, p in pairs]
+        ax.plot(xs, ys, "o", color="tab:blue", label="cases")
+        top = max(xs + ys) * 1.05
+        ax.plot([0, top], [0, top], "-", color="gray", lw=0.8, label="predicted = measured")
+        ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="gray", alpha=0.15, label="±10%")
+    ax.set_xlabel("measured peak (MiB)")
+    ax.set_ylabel("predicted peak (MiB)")
+    ax.set_title(f"gradaccel.fit: predicted vs measured ({rows[0]['device'] if rows else ''})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "fit_predicted_vs_measured.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
