@@ -106,3 +106,34 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return [path]
+
+
+# -- the seed table: predictions for the setups the project's starting texts quote ---------------
+SEED = [  # (preset, what the seed claimed without optimisation, with everything)
+    ("llama-2-7b", "14 GB", "4-6 GB"),
+    ("llama-2-13b", "26 GB", "8-10 GB"),
+    ("llama-2-70b", "140 GB", "40-48 GB"),
+]
+
+
+def seed_table(seq: int = 2048) -> str:
+    """Predicted peaks (fake tensors, nothing allocated) for the seed's two setups per size:
+    bf16 full fine-tuning with AdamW and nothing checkpointed, and "everything" (nf4 weights,
+    LoRA r=16 on every linear layer, 8-bit AdamW, keep-nothing checkpoints, micro-batch 1).
+    ``python -m bench.fit`` prints it."""
+    from gradaccel.fit import estimate
+    from gradaccel.memory import format_bytes
+
+    lines = [f"| model | seed: plain | predicted: bf16 AdamW, no checkpointing, T{seq} | seed: everything | "
+             f"predicted: QLoRA r16 + 8-bit AdamW + checkpointing, T{seq} | weights alone |",
+             "|---|---|---:|---|---:|---:|"]
+    for preset, plain, everything in SEED:
+        full = estimate(preset, seq, 1, 1.0, optim="adamw")
+        small = estimate(preset, seq, 1, None, optim="adamw8bit", lora=16, load_in_4bit=True)
+        lines.append(f"| {preset} | {plain} | {format_bytes(full.peak)} | {everything} | {format_bytes(small.peak)} "
+                     f"| {format_bytes(full.parts['weights'])} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(seed_table())
