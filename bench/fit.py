@@ -11,6 +11,8 @@ fraction of a block's activation bytes), side by side:
   own ``.grad``), measured the same way: what the checkpointed plans are saving.
 
 The table divides by ``gradaccel-measured``: the predicted column is predicted/measured.
+One more case compares ``checkpoint_blocks(memory=...)`` with equal per-block fractions of the
+same total on blocks that differ (see ``_split_rows``).
 On CUDA the measured variant is also taken with ``torch.cuda.max_memory_allocated``.
 """
 
@@ -22,8 +24,8 @@ from gradaccel.fit import Planner, find_blocks, hf_step
 from gradaccel.memory import measured_peak
 
 SUITE = "fit"
-BASELINE = "gradaccel-measured"
-TABLE_METRICS = ["peak_bytes"]
+BASELINE = ["gradaccel-measured", "gradaccel-equal-fraction"]
+TABLE_METRICS = ["peak_bytes", "held_bytes", "recompute_flops"]
 
 
 def _cases(quick: bool):
@@ -73,6 +75,65 @@ def run(device: str, quick: bool) -> list[dict]:
         rows.append(row(SUITE, case, "torch-nockpt", "peak_bytes",
                         measured_peak(stock, torch.optim.AdamW(stock.parameters()), hf_step, batch), "B", device))
         model.zero_grad(set_to_none=True)
+    return rows + _split_rows(device)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _split_rows(device: str) -> list[dict]:
+    """One budget for blocks that differ: GPT blocks with 1 and 8 attention heads alternating
+    (8 heads hold 8x the attention scores). ``checkpoint_blocks(memory=M)`` against every block
+    at the fraction ``M / total``, which bounds the same total: bytes kept and recompute FLOPs
+    (the backward's FLOPs beyond those of the backward without checkpointing), measured."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from bench.models import Block, GPTConfig
+
+    T, C = (32, 32) if tiny() else (256, 128)
+    heads = (1, 8, 1, 8)
+    case = f"gpt4x(T{T},C{C},heads {'/'.join(map(str, heads))}) memory=0.3"
+    progress(case)
+
+    def make():
+        torch.manual_seed(0)
+        return _Stack([Block(GPTConfig(seq_len=T, n_embd=C, n_head=h)) for h in heads]).to(device).train()
+
+    x = torch.randn(2, T, C, device=device, requires_grad=True)
+
+    def backward_flops(model):
+        model(x).square().mean().backward()  # traces and plans; the next call runs the plans
+        with FlopCounterMode(display=False) as counter:
+            loss = model(x).square().mean()
+            before = counter.get_total_flops()
+            loss.backward()
+        return counter.get_total_flops() - before
+
+    base = backward_flops(make())
+    total = 0
+    for b in make().blocks:
+        from gradaccel.measure import held_activation_bytes
+
+        total += held_activation_bytes(b, x)[1]
+    memory = int(0.3 * total)
+    rows = []
+    for name, kwargs in (("gradaccel-memory-split", {"memory": memory}),
+                         ("gradaccel-equal-fraction", {"budget": memory / total})):
+        gradaccel.reset_plans()
+        model = gradaccel.checkpoint_blocks(make(), **kwargs)
+        flops = backward_flops(model)
+        kept = sum(r["kept_bytes"] for r in gradaccel.plan_rows() if r["mode"] == "selective")
+        rows.append(row(SUITE, case, name, "recompute_flops", flops - base, "FLOP", device))
+        rows.append(row(SUITE, case, name, "held_bytes", kept, "B", device))
+    rows.append(row(SUITE, case, "torch-nockpt", "held_bytes", total, "B", device))
     return rows
 
 
