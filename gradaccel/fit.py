@@ -75,13 +75,15 @@ def fake_model(config, dtype=torch.bfloat16, layers=None, lora=None):
     from transformers import AutoModelForCausalLM
 
     config = config.__class__.from_dict(config.to_dict())
-    config._attn_implementation = "sdpa"
     if layers is not None:
         config.num_hidden_layers = layers
         if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:layers]
     with fake_mode():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        except ValueError:  # an architecture without SDPA support (Gemma 2)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
         if lora:
             model.requires_grad_(False)
             for block in find_blocks(model):

@@ -152,6 +152,48 @@ def test_checkpoint_blocks_memory_splits_one_budget():
         gradaccel.checkpoint_blocks(_model(shape), budget=0.5, memory="1MiB")
 
 
+class _Block(torch.nn.Module):
+    def __init__(self, width, hidden):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)).square())
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(16, h) for h in (32, 256, 32, 256))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_memory_split_gives_differing_blocks_what_suits_them():
+    gradaccel.reset_plans()
+    torch.manual_seed(0)
+    ref = _Stack()
+    model = _Stack()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(8, 16, requires_grad=True)
+    from gradaccel.measure import held_activation_bytes
+
+    total = sum(held_activation_bytes(b, x)[1] for b in ref.blocks)
+    memory = total // 4
+    gradaccel.checkpoint_blocks(model, memory=memory)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    budgets = [b._gradaccel_budget for b in model.blocks]
+    assert budgets[0] == budgets[2] and budgets[1] == budgets[3] and budgets[0] != budgets[1]
+    rows = [r for r in gradaccel.plan_rows() if r["mode"] == "selective"]
+    assert sum(r["kept_bytes"] for r in rows) <= memory
+
+
 def test_parse_bytes_and_live_bytes():
     assert parse_bytes("24GiB") == 24 << 30 and parse_bytes("6 GB") == 6 * 10**9 and parse_bytes(512) == 512
     for bad in ("-1GiB", "lots", -5, True, 1.5):
