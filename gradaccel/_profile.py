@@ -32,7 +32,6 @@ from gradaccel.checkpoint import _Region, _plain
 from gradaccel.memory import LiveBytes
 
 KEEP_ALL = "all"  # the plan of a block run without checkpointing
-_STOP = object()
 
 
 def fake_mode():

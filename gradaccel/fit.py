@@ -34,7 +34,7 @@ from gradaccel._profile import Profile, fake_mode, find_blocks
 from gradaccel._trace import FLOPS_PER_BYTE
 from gradaccel.memory import LiveBytes, format_bytes, optimizer_state_bytes, parse_bytes, storage_bytes
 
-__all__ = ["fit", "estimate", "split_memory", "Fit", "PRESETS"]
+__all__ = ["fit", "estimate", "split_memory", "Fit", "Planner", "PRESETS"]
 
 OPTIMS = ("adamw", "adamw8bit", "sgd")
 _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -307,8 +307,9 @@ class Fit:
     suggestions: list = dataclasses.field(default_factory=list)
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
-        """Checkpoints ``model``'s blocks with the fitted budgets and wraps ``optimizer`` in a
-        ``FusedAccumOptimizer`` of ``accum_steps`` (``kwargs`` go to it). Returns both."""
+        """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
+        must not be checkpointed already) and wraps ``optimizer`` in a ``FusedAccumOptimizer`` of
+        ``accum_steps`` (``kwargs`` go to it). Returns both."""
         from gradaccel.blocks import checkpoint_blocks
         from gradaccel.optimizer import FusedAccumOptimizer
 
@@ -439,7 +440,8 @@ class Planner:
         return worst
 
     def _largest_linear(self, prof) -> int:
-        return max((m.weight.numel() * 2 for b in prof.blocks for m in b.modules() if isinstance(m, nn.Linear)), default=0)
+        return max((m.weight.numel() * 2 for b in prof.blocks for m in b.modules() if isinstance(m, nn.Linear)),
+                   default=0)
 
 
 def _evaluate(setup: Planner, seq, micro_batch, batch, chosen, exact=True) -> Fit:

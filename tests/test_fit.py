@@ -28,7 +28,8 @@ def _model(shape, lora=False):
     model = transformers.LlamaForCausalLM(cfg)
     if lora:
         peft = pytest.importorskip("peft")
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+        lora_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+        model = peft.get_peft_model(model, lora_config)
     return model
 
 
