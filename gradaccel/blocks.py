@@ -104,16 +104,19 @@ class _HFCheckpoint:
         self.budget = budget
 
     def __call__(self, function, *args, **kwargs):
+        layer = None
         # GradientCheckpointingLayer passes partial(forward, layer, **kw), the class's function
         # with the layer as an argument. Bound as the layer's method instead, the plan is cached
         # on the layer (dropped with it) rather than on the class function with the layer held
         # in the cache key for as long as the process lives.
         if (isinstance(function, functools.partial) and inspect.isfunction(function.func)
                 and function.args and isinstance(function.args[0], nn.Module)):
-            method = types.MethodType(function.func, function.args[0])
+            layer = function.args[0]
+            method = types.MethodType(function.func, layer)
             function = functools.partial(method, *function.args[1:], **function.keywords)
         kwargs.pop("use_reentrant", None)  # gradaccel is always non-reentrant
-        return checkpoint(function, *args, budget=self.budget, **kwargs)
+        # checkpoint_blocks(memory=...) gives each layer its own share, in bytes.
+        return checkpoint(function, *args, budget=getattr(layer, "_gradaccel_budget", self.budget), **kwargs)
 
     def __repr__(self):
         return f"gradaccel.checkpoint(budget={self.budget!r})"
@@ -196,6 +199,8 @@ def set_budget(model, budget):
         if "_gradaccel_checkpoint" in vars(m):
             _take_over(m, budget)
             n += 1
+        elif "_gradaccel_budget" in vars(m) and getattr(type(m), "_gradaccel_subclass", None) is None:
+            del m._gradaccel_budget  # an HF layer's share from memory=: the model's budget applies again
         elif getattr(type(m), "_gradaccel_subclass", None) is not None:
             m._gradaccel_budget = budget
             n += 1
@@ -283,7 +288,7 @@ def _find_blocks(model):
     return blocks
 
 
-def checkpoint_blocks(model, budget=None, block_types=None):
+def checkpoint_blocks(model, budget=None, block_types=None, memory=None):
     """Checkpoint each repeated block of ``model`` in place, through ``gradaccel.checkpoint``.
 
     In training mode with grad enabled, each block's forward runs inside
@@ -325,16 +330,30 @@ def checkpoint_blocks(model, budget=None, block_types=None):
         block_types (None | type | str | sequence of them): block classes, or class names such as
             ``"LlamaDecoderLayer"``. Must be None for Hugging Face models that support
             gradient checkpointing (their own hook picks the layers).
+        memory (None | int | str): instead of ``budget``, one activation budget for all the blocks
+            together, in bytes or as a string such as ``"6GiB"``: the bytes the blocks may keep in
+            total, on top of each block's input (which any checkpoint keeps). At the first training
+            call for an input shape, every block kind is traced on fake tensors and the total is
+            split so that the whole model's recompute is least (see ``gradaccel.fit.split_memory``):
+            identical blocks get equal shares, blocks that differ get what suits them.
 
     Returns:
         nn.Module: ``model`` itself.
 
     Raises:
-        ValueError: bad ``budget``, no block found, or ``block_types`` given for a Hugging Face model.
+        ValueError: bad ``budget`` or ``memory`` (or both given), no block found, or ``block_types``
+            given for a Hugging Face model.
         RuntimeError: ``model`` is already checkpointed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if memory is not None:
+        from gradaccel.memory import parse_bytes
+
+        if budget is not None:
+            raise ValueError("give checkpoint_blocks either budget (per block) or memory (for all blocks), not both")
+        memory = parse_bytes(memory, "memory")
+        budget = 0  # keep nothing until the first training call splits memory across the blocks
     _check_budget(budget)
     if block_types is not None:
         block_types = _resolve_types(block_types)
@@ -356,7 +375,7 @@ def checkpoint_blocks(model, budget=None, block_types=None):
             elif getattr(m, "main_input_name", None) == "input_ids" or getattr(m, "_hf_peft_config_loaded", False):
                 if not getattr(m, "_require_grads_hooks", None) and not getattr(m, "_require_grads_hook", None):
                     m.enable_input_require_grads()
-        return model
+        return _split_on_call(model, memory)
 
     if block_types is None:
         blocks = _find_blocks(model)
@@ -374,4 +393,12 @@ def checkpoint_blocks(model, budget=None, block_types=None):
     for block in {id(b): b for b in blocks}.values():
         block.__class__ = _subclass_for(type(block))
         block._gradaccel_budget = budget
+    return _split_on_call(model, memory)
+
+
+def _split_on_call(model, memory):
+    if memory is not None:
+        from gradaccel.fit import MemorySplit
+
+        model.register_forward_pre_hook(MemorySplit(memory), with_kwargs=True)
     return model

@@ -1,0 +1,200 @@
+"""The `fit` suite: gradaccel.fit's predicted peak of a training step against the real one.
+
+Per case (a tiny Hugging Face Llama, a sequence length, a micro-batch, a per-block budget as a
+fraction of a block's activation bytes), side by side:
+
+- ``gradaccel-measured``: the real peak of live tensor bytes (gradaccel.memory.LiveBytes, a
+  dispatch-mode counter, plus the weights, fp32 window buffer and optimizer state that exist
+  before) over a window of steps, blocks checkpointed at that budget, FusedAccumOptimizer;
+- ``gradaccel-predicted``: gradaccel.fit's prediction, made on fake tensors before any step;
+- ``torch-nockpt``: the same model and batch trained stock (no checkpointing, AdamW with its
+  own ``.grad``), measured the same way: what the checkpointed plans are saving.
+
+The table divides by ``gradaccel-measured``: the predicted column is predicted/measured.
+One more case compares ``checkpoint_blocks(memory=...)`` with equal per-block fractions of the
+same total on blocks that differ (see ``_split_rows``).
+On CUDA the measured variant is also taken with ``torch.cuda.max_memory_allocated``.
+"""
+
+import torch
+
+import gradaccel
+from bench.common import progress, row, tiny
+from gradaccel.fit import Planner, find_blocks, hf_step
+from gradaccel.memory import measured_peak
+
+SUITE = "fit"
+BASELINE = ["gradaccel-measured", "gradaccel-equal-fraction"]
+TABLE_METRICS = ["peak_bytes", "held_bytes", "recompute_flops"]
+
+
+def _cases(quick: bool):
+    shapes = [(64, 176, 3, 4, 2, 512)] if tiny() or quick else [(64, 176, 3, 4, 2, 512), (128, 344, 4, 8, 4, 2048)]
+    seqs = (64,) if tiny() else (128, 512)
+    fractions = (0.25,) if tiny() else (0.05, 0.5, 1.0)
+    return [(s, q, mb, f) for s in shapes for q in seqs for mb in ((2,) if tiny() else (1, 4)) for f in fractions]
+
+
+def _model(shape, device):
+    import transformers
+
+    hidden, inter, layers, heads, kv, vocab = shape
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                                   max_position_embeddings=1024)
+    return transformers.LlamaForCausalLM(cfg).to(device).train()
+
+
+def run(device: str, quick: bool) -> list[dict]:
+    rows, planners = [], {}
+    cases = _cases(quick)
+    for i, (shape, seq, mb, frac) in enumerate(cases, 1):
+        h, _, layers, _, _, vocab = shape
+        case = f"llama{layers}x(h{h},V{vocab}) T{seq} mb{mb} b{frac}"
+        progress(case, i, len(cases))
+        if shape not in planners:
+            gradaccel.reset_plans()
+            model = _model(shape, device)
+            gradaccel.checkpoint_blocks(model, budget=1)
+            planners[shape] = (model, Planner(model, optim=torch.optim.AdamW(model.parameters())))
+        model, planner = planners[shape]
+        prof = planner.profile(seq, mb)
+        budgets = [max(1, int(frac * prof.kind_of[j].graph.activation_bytes)) for j in range(len(prof.blocks))]
+        predicted = planner.estimate(seq, mb, budgets).peak
+        ids = torch.randint(0, vocab, (mb, seq), device=device)
+        batch = {"input_ids": ids, "labels": ids}
+        for block, b in zip(find_blocks(model), budgets):
+            block._gradaccel_budget = b
+        opt = gradaccel.FusedAccumOptimizer(torch.optim.AdamW(model.parameters()), 1)
+        measured = measured_peak(model, opt, hf_step, batch)
+        del opt
+        rows.append(row(SUITE, case, "gradaccel-predicted", "peak_bytes", predicted, "B", device))
+        rows.append(row(SUITE, case, "gradaccel-measured", "peak_bytes", measured, "B", device))
+        stock = _model(shape, device)
+        rows.append(row(SUITE, case, "torch-nockpt", "peak_bytes",
+                        measured_peak(stock, torch.optim.AdamW(stock.parameters()), hf_step, batch), "B", device))
+        model.zero_grad(set_to_none=True)
+    return rows + _split_rows(device)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _split_rows(device: str) -> list[dict]:
+    """One budget for blocks that differ: GPT blocks with 1 and 8 attention heads alternating
+    (8 heads hold 8x the attention scores). ``checkpoint_blocks(memory=M)`` against every block
+    at the fraction ``M / total``, which bounds the same total: bytes kept and recompute FLOPs
+    (the backward's FLOPs beyond those of the backward without checkpointing), measured."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from bench.models import Block, GPTConfig
+
+    T, C = (32, 32) if tiny() else (256, 128)
+    heads = (1, 8, 1, 8)
+    case = f"gpt4x(T{T},C{C},heads {'/'.join(map(str, heads))}) memory=0.3"
+    progress(case)
+
+    def make():
+        torch.manual_seed(0)
+        return _Stack([Block(GPTConfig(seq_len=T, n_embd=C, n_head=h)) for h in heads]).to(device).train()
+
+    x = torch.randn(2, T, C, device=device, requires_grad=True)
+
+    def backward_flops(model):
+        model(x).square().mean().backward()  # traces and plans; the next call runs the plans
+        with FlopCounterMode(display=False) as counter:
+            loss = model(x).square().mean()
+            before = counter.get_total_flops()
+            loss.backward()
+        return counter.get_total_flops() - before
+
+    base = backward_flops(make())
+    total = 0
+    for b in make().blocks:
+        from gradaccel.measure import held_activation_bytes
+
+        total += held_activation_bytes(b, x)[1]
+    memory = int(0.3 * total)
+    rows = []
+    for name, kwargs in (("gradaccel-memory-split", {"memory": memory}),
+                         ("gradaccel-equal-fraction", {"budget": memory / total})):
+        gradaccel.reset_plans()
+        model = gradaccel.checkpoint_blocks(make(), **kwargs)
+        flops = backward_flops(model)
+        kept = sum(r["kept_bytes"] for r in gradaccel.plan_rows() if r["mode"] == "selective")
+        rows.append(row(SUITE, case, name, "recompute_flops", flops - base, "FLOP", device))
+        rows.append(row(SUITE, case, name, "held_bytes", kept, "B", device))
+    rows.append(row(SUITE, case, "torch-nockpt", "held_bytes", total, "B", device))
+    return rows
+
+
+def plot(rows: list[dict], out_dir: str) -> list[str]:
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {}
+    for r in rows:
+        by.setdefault(r["case"], {})[r["variant"]] = r["value"]
+    pairs = [(v["gradaccel-measured"], v["gradaccel-predicted"]) for v in by.values()
+             if "gradaccel-measured" in v and "gradaccel-predicted" in v]
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    if pairs:
+        xs, ys = [m / 2**20 for m, _ in pairs], [p / 2**20 for _, p in pairs]
+        ax.plot(xs, ys, "o", color="tab:blue", label="cases")
+        top = max(xs + ys) * 1.05
+        ax.plot([0, top], [0, top], "-", color="gray", lw=0.8, label="predicted = measured")
+        ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="gray", alpha=0.15, label="±10%")
+    ax.set_xlabel("measured peak (MiB)")
+    ax.set_ylabel("predicted peak (MiB)")
+    ax.set_title(f"gradaccel.fit: predicted vs measured ({rows[0]['device'] if rows else ''})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "fit_predicted_vs_measured.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
+# -- the seed table: predictions for the setups the project's starting texts quote ---------------
+SEED = [  # (preset, what the seed claimed without optimisation, with everything)
+    ("llama-2-7b", "14 GB", "4-6 GB"),
+    ("llama-2-13b", "26 GB", "8-10 GB"),
+    ("llama-2-70b", "140 GB", "40-48 GB"),
+]
+
+
+def seed_table(seq: int = 2048) -> str:
+    """Predicted peaks (fake tensors, nothing allocated) for the seed's two setups per size:
+    bf16 full fine-tuning with AdamW and nothing checkpointed, and "everything" (nf4 weights,
+    LoRA r=16 on every linear layer, 8-bit AdamW, keep-nothing checkpoints, micro-batch 1).
+    ``python -m bench.fit`` prints it."""
+    from gradaccel.fit import estimate
+    from gradaccel.memory import format_bytes
+
+    lines = [f"| model | seed: plain | predicted: bf16 AdamW, no checkpointing, T{seq} | seed: everything | "
+             f"predicted: QLoRA r16 + 8-bit AdamW + checkpointing, T{seq} | weights alone |",
+             "|---|---|---:|---|---:|---:|"]
+    for preset, plain, everything in SEED:
+        full = estimate(preset, seq, 1, 1.0, optim="adamw")
+        small = estimate(preset, seq, 1, None, optim="adamw8bit", lora=16, load_in_4bit=True)
+        lines.append(f"| {preset} | {plain} | {format_bytes(full.peak)} | {everything} | {format_bytes(small.peak)} "
+                     f"| {format_bytes(full.parts['weights'])} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(seed_table())

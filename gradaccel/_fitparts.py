@@ -1,0 +1,186 @@
+"""What a fit is made of besides the profile: the model (a preset or config built on fake
+tensors, LoRA adapters as peft makes them) and the fixed parts of a training step (weights,
+window buffer, optimizer state and masters, and the update's working set). See gradaccel/fit.py.
+"""
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+from unittest import mock
+
+import torch
+import torch.nn as nn
+
+from gradaccel._presets import PRESETS
+from gradaccel._profile import fake_mode, find_blocks
+from gradaccel.memory import LiveBytes, optimizer_state_bytes, storage_bytes
+
+OPTIMS = ("adamw", "adamw8bit", "sgd")
+_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# -- models ------------------------------------------------------------------------------------
+def hf_step(model, batch):
+    """A causal LM's training forward: ``model(input_ids, labels).loss``, without a KV cache
+    (checkpointed layers drop it in training anyway). Sequences are not packed: under fake
+    tensors transformers cannot read that from the positions, and would build a dense mask."""
+    import transformers.masking_utils as masking
+
+    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
+        return model(**batch, use_cache=False).loss
+
+
+def load_config(spec):
+    """A transformers config from a preset name (``PRESETS``), a config.json path (or its
+    folder), or a config object (returned as is)."""
+    from transformers import AutoConfig
+
+    if not isinstance(spec, (str, os.PathLike)):
+        return spec
+    if str(spec) in PRESETS:
+        fields = dict(PRESETS[str(spec)])
+    else:
+        path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+        if not os.path.isfile(path):
+            raise ValueError(f"model must be a preset ({', '.join(PRESETS)}) or a config.json path, got {spec!r}")
+        with open(path) as f:
+            fields = json.load(f)
+    return AutoConfig.for_model(**fields)
+
+
+def fake_model(config, dtype=torch.bfloat16, layers=None, lora=None):
+    """The causal LM of ``config`` on fake tensors (nothing allocated), ``layers`` blocks deep
+    if given, with LoRA adapters of rank ``lora`` on every linear layer of the blocks."""
+    from transformers import AutoModelForCausalLM
+
+    config = config.__class__.from_dict(config.to_dict())
+    if layers is not None:
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:layers]
+    with fake_mode():
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        except ValueError:  # an architecture without SDPA support (Gemma 2)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+        if lora:
+            model.requires_grad_(False)
+            for block in find_blocks(model):
+                for name, m in list(block.named_modules()):
+                    for child, sub in list(m.named_children()):
+                        if isinstance(sub, nn.Linear) and child in _LORA_TARGETS:
+                            setattr(m, child, LoRALinear(sub, lora))
+            model.enable_input_require_grads()  # as checkpoint_blocks does for a model with adapters
+    return model
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a rank-``r`` adapter, computed as peft's LoRA ``Linear`` does
+    by default (adapters in fp32, the input cast to fp32 for them, no dropout), so that a model
+    built here holds the activations a peft model holds. (peft itself cannot be applied to
+    fake tensors: moving its adapters swaps tensors.)"""
+
+    def __init__(self, base: nn.Linear, r: int):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, dtype=torch.float32)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, dtype=torch.float32)
+        self.scaling = 2.0
+
+    def forward(self, x):
+        result = self.base_layer(x)
+        return (result + self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling).to(result.dtype)
+
+
+def _period(config) -> int:
+    types = getattr(config, "layer_types", None) or []
+    for p in range(1, len(types) + 1):
+        if all(types[i] == types[i % p] for i in range(len(types))):
+            return p
+    return 1
+
+
+# -- the fixed parts of a step -----------------------------------------------------------------
+@dataclasses.dataclass
+class Static:
+    weights: int
+    buffer: int  # FusedAccumOptimizer's fp32 window buffer
+    state: int  # the inner optimizer's state
+    masters: int
+    step: int  # working set of the update at the end of a window
+    trainable: int  # parameters
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.buffer + self.state + self.masters
+
+
+def _nf4_bytes(numel: int) -> int:
+    # bitsandbytes nf4 with double quantisation (QLoRA): 4 bits a weight, an 8-bit absmax per
+    # 64 weights, an fp32 absmax per 256 of those.
+    return numel // 2 + numel // 64 + 4 * numel // (64 * 256)
+
+
+def static_parts(model, optim="adamw", master_weights=False, load_in_4bit=False) -> Static:
+    """Weights, window buffer, optimizer state and masters, and the update's working set.
+
+    Args:
+        optim: "adamw" (torch's fused AdamW), "adamw8bit" (bitsandbytes), "sgd" (momentum), or
+            an optimizer on ``model``'s parameters (a ``FusedAccumOptimizer`` or the inner one):
+            its state tensors are counted if it has any, else a step of its class on fake
+            tensors makes them.
+    """
+    params = list({id(p): p for p in model.parameters()}.values())
+    trainable = [p for p in params if p.requires_grad]
+    weights = storage_bytes(params + list(model.buffers()))
+    if load_in_4bit:
+        for block in find_blocks(model):
+            for m in block.modules():
+                if isinstance(m, nn.Linear) and not m.weight.requires_grad:
+                    weights += _nf4_bytes(m.weight.numel()) - m.weight.numel() * m.weight.element_size()
+    numel = sum(p.numel() for p in trainable)
+    masters = sum(4 * p.numel() for p in trainable if p.dtype != torch.float32) if master_weights else 0
+    # Without masters a bf16 parameter gets its window gradient as a temporary copy in its dtype.
+    copies = 0 if master_weights else sum(p.numel() * p.element_size() for p in trainable if p.dtype != torch.float32)
+    state, step = _optimizer_state(trainable, optim, master_weights)
+    if isinstance(optim, torch.optim.Optimizer) and optimizer_state_bytes(optim):
+        state = optimizer_state_bytes(optim)
+    buffer = getattr(optim, "grad_buffer", None)
+    buffer = buffer.nbytes if buffer is not None else 4 * numel
+    return Static(weights, buffer, state, masters, step + copies, numel)
+
+
+def _optimizer_state(trainable, optim, master_weights) -> tuple:
+    if optim == "adamw8bit":
+        # bitsandbytes' layout: two uint8 states and an fp32 absmax per 256 values for tensors of
+        # 4096 values or more, two fp32 states below that; plus two 256-entry fp32 code books.
+        state = sum(2 * p.numel() + 8 * math.ceil(p.numel() / 256) + 2048 if p.numel() >= 4096 else 8 * p.numel()
+                    for p in trainable)
+        return state, 0
+    if isinstance(optim, torch.optim.Optimizer):
+        inner = getattr(optim, "optimizer", optim)
+        cls = type(inner)
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in inner.defaults.items() if k in accepted}
+    elif optim == "adamw":
+        cls, defaults = torch.optim.AdamW, {"fused": True}
+    elif optim == "sgd":
+        cls, defaults = torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}
+    else:
+        raise ValueError(f"optim must be one of {OPTIMS} or a torch.optim.Optimizer, got {optim!r}")
+    mode = fake_mode()
+    with mode:
+        ps = []
+        for p in trainable:
+            dtype = torch.float32 if master_weights else p.dtype
+            q = nn.Parameter(torch.empty(tuple(p.shape), dtype=dtype))
+            q.grad = torch.zeros_like(q)
+            ps.append(q)
+        opt = cls(ps, **defaults)
+        live = LiveBytes()
+        with live:
+            opt.step()
+        state = optimizer_state_bytes(opt)
+    return state, max(0, live.peak - state)

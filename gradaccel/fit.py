@@ -1,0 +1,431 @@
+"""Plan training to a memory target: the micro-batch, accumulation steps and per-block
+checkpoint plans that fit, the fastest first, predicted before the first step.
+
+    fit = gradaccel.fit.fit("llama-3-8b", seq=2048, batch=64, memory="80GiB")
+    print(fit.table())
+    model, opt = fit.apply(model, torch.optim.AdamW(model.parameters(), fused=True))
+
+    python -m gradaccel.fit --model llama-3-8b --seq 2048 --batch 64 --memory 24GiB --lora 16 --load-in-4bit
+
+The prediction is one training step's peak, part by part: weights at their storage size, the
+fp32 window buffer of ``FusedAccumOptimizer``, the optimizer's state (from a step of the real
+optimizer class on fake tensors), the activations each block keeps under its plan and those
+outside the blocks, and each phase's working set (measured on fake tensors with the trace and
+planner ``gradaccel.checkpoint`` itself uses; see gradaccel/_profile.py). The allocator's
+slack (rounding, fragmentation, the CUDA context) is not measured: ``slack`` reserves it.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+import threading
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from gradaccel._fitparts import OPTIMS, LoRALinear, _period, fake_model, hf_step, load_config, static_parts  # noqa: F401
+from gradaccel._presets import PRESETS
+from gradaccel._profile import Profile, find_blocks
+from gradaccel._trace import FLOPS_PER_BYTE
+from gradaccel.memory import format_bytes, parse_bytes
+
+__all__ = ["fit", "estimate", "split_memory", "Fit", "Planner", "PRESETS"]
+
+
+
+# -- one activation budget, split across blocks -------------------------------------------------
+def split_memory(kinds, memory: int, units: int = 4096) -> list:
+    """Picks one plan per block kind so that total recompute is least and the bytes kept fit.
+
+    A multiple-choice knapsack over the kinds' plan frontiers (identical blocks share a plan,
+    so they get equal shares), with bytes rounded up to ``memory / units``: what it returns
+    keeps at most ``memory`` bytes in total.
+
+    Args:
+        kinds: ``(frontier, count)`` pairs; a frontier lists points with ``kept`` bytes and
+            ``cost``, the first keeping least (gradaccel._profile.Point).
+        memory: bytes the blocks may keep in total.
+
+    Returns:
+        list: the chosen point of each kind.
+    """
+    unit = max(1, memory // units)
+    cap = memory // unit
+    inf = float("inf")
+    best = np.zeros(cap + 1)
+    choices = []
+    for frontier, count in kinds:
+        new = np.full(cap + 1, inf)
+        pick = np.zeros(cap + 1, dtype=np.int64)
+        for j, p in enumerate(frontier):
+            w = -(-p.kept * count // unit)
+            if w > cap:
+                continue
+            cand = np.full(cap + 1, inf)
+            cand[w:] = best[:cap + 1 - w] + p.cost * count
+            better = cand < new
+            new[better], pick[better] = cand[better], j
+        best = new
+        choices.append(pick)
+    if not np.isfinite(best[cap]):
+        return [f[0] for f, _ in kinds]  # even keeping least does not fit: keep least
+    out, u = [], cap
+    for (frontier, count), pick in zip(reversed(kinds), reversed(choices)):
+        p = frontier[int(pick[u])]
+        out.append(p)
+        u -= -(-p.kept * count // unit)
+    return out[::-1]
+
+
+_busy = threading.local()
+
+
+class MemorySplit:
+    """``checkpoint_blocks(memory=...)``'s forward pre-hook: at the first training call for an
+    input shape, traces each block kind on fake tensors and gives every block its share."""
+
+    def __init__(self, memory: int):
+        self.memory = memory
+        self.seen = {}
+
+    def __call__(self, module, args, kwargs):
+        if getattr(_busy, "on", False) or not (module.training and torch.is_grad_enabled()):
+            return None
+        flat = torch.utils._pytree.tree_flatten((args, kwargs))[0]
+        key = tuple((tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor))
+        if key not in self.seen:
+            _busy.on = True
+            try:
+                prof = Profile(module, _call, (args, kwargs), grad_hooks=False, skeleton=False)
+            finally:
+                _busy.on = False
+                torch.clear_autocast_cache()  # the fake forward must leave no cast weights behind
+            points = split_memory([(k.frontier, len(k.blocks)) for k in prof.kinds], self.memory)
+            chosen = {id(k): p for k, p in zip(prof.kinds, points)}
+            self.seen[key] = [chosen[id(prof.kind_of[i])].budget for i in range(len(prof.blocks))]
+        for block, budget in zip(find_blocks(module), self.seen[key]):
+            block._gradaccel_budget = budget
+        return None
+
+
+def _call(model, batch):
+    args, kwargs = batch
+    return model(*args, **kwargs)
+
+
+# -- predicting one configuration ---------------------------------------------------------------
+@dataclasses.dataclass
+class Fit:
+    """A training configuration and its predicted peak. See :func:`fit`."""
+
+    seq: int
+    micro_batch: int
+    accum_steps: int
+    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint
+    kept: int  # bytes the blocks keep in total beyond their inputs
+    peak: int  # predicted peak of the step, slack excluded
+    parts: dict  # what the peak is made of (bytes)
+    phase: str
+    time: float  # predicted step time relative to the same micro-batch without checkpointing
+    recompute_flops: int  # per micro-batch
+    step_cost: float = 0.0  # planner's cost units per optimizer step (what the fit minimises)
+    memory: int | None = None  # the target, if fitted to one
+    slack: int = 0
+    fits: bool = True
+    suggestions: list = dataclasses.field(default_factory=list)
+
+    def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
+        """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
+        must not be checkpointed already) and wraps ``optimizer`` in a ``FusedAccumOptimizer`` of
+        ``accum_steps`` (``kwargs`` go to it). Returns both."""
+        from gradaccel.blocks import checkpoint_blocks
+        from gradaccel.optimizer import FusedAccumOptimizer
+
+        checkpoint_blocks(model, budget=1)
+        blocks = find_blocks(model)
+        if len(blocks) != len(self.budgets):
+            raise ValueError(f"model has {len(blocks)} blocks, the fit was made for {len(self.budgets)}")
+        for block, budget in zip(blocks, self.budgets):
+            block._gradaccel_budget = budget
+        if not isinstance(optimizer, FusedAccumOptimizer):
+            optimizer = FusedAccumOptimizer(optimizer, self.accum_steps, **kwargs)
+        return model, optimizer
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def table(self) -> str:
+        """The plan and its breakdown, as a readable table."""
+        lines = [f"micro-batch {self.micro_batch} x {self.accum_steps} accumulation steps, sequence {self.seq}"
+                 + ("" if self.fits else "  (DOES NOT FIT)"),
+                 f"blocks keep {format_bytes(self.kept)} beyond their inputs; recompute "
+                 f"{self.recompute_flops / 1e12:.2f} TFLOP per micro-batch; step time "
+                 f"{self.time:.2f}x of no checkpointing (planner's cost model)",
+                 f"{'part':<44} {'bytes':>12}"]
+        for name, value in self.parts.items():
+            lines.append(f"{name:<44} {format_bytes(value):>12}")
+        lines.append(f"{'predicted peak (at ' + str(self.phase) + ')':<44} {format_bytes(self.peak):>12}")
+        lines.append(f"{'allocator slack (reserved, not measured)':<44} {format_bytes(self.slack):>12}")
+        if self.memory is not None:
+            lines.append(f"{'target':<44} {format_bytes(self.memory):>12}")
+        for s in self.suggestions:
+            lines.append(f"would fit: {s}")
+        return "\n".join(lines)
+
+
+class Planner:
+    """A model ready to plan for: the module (or the fake one built from a config), the layout
+    of its blocks on a shallower profiled copy, its fixed parts, and a profile per input shape
+    (made once, reused by every budget asked of it). :func:`estimate` and :func:`fit` build
+    one; keep one to ask many questions of the same model.
+
+    Args: as :func:`fit`'s.
+    """
+
+    def __init__(self, model, optim="adamw", lora=None, load_in_4bit=False, dtype=torch.bfloat16,
+                 master_weights=False):
+        if isinstance(model, nn.Module):
+            self.model, self.profiled, self.layout = model, model, None
+        else:
+            config = load_config(model)
+            full = config.num_hidden_layers
+            period = _period(config)
+            depth = min(full, 2 * period)
+            self.model = fake_model(config, dtype, lora=lora)
+            self.profiled = self.model if depth == full else fake_model(config, dtype, layers=depth, lora=lora)
+            self.layout = [i if i < period else period + (i - period) % period for i in range(full)]
+            if load_in_4bit and not lora:
+                raise ValueError("load_in_4bit needs lora: 4-bit weights are frozen, only adapters train")
+        self.blocks = len(find_blocks(self.model))
+        self.static = static_parts(self.model, optim, master_weights, load_in_4bit)
+        self.load_in_4bit, self.lora = load_in_4bit, lora
+        self.profiles = {}
+
+    def profile(self, seq, micro_batch) -> Profile:
+        if (seq, micro_batch) not in self.profiles:
+            vocab = getattr(getattr(self.profiled, "config", None), "vocab_size", 2)
+            ids = torch.zeros(micro_batch, seq, dtype=torch.long).random_(0, vocab)
+            self.profiles[(seq, micro_batch)] = Profile(self.profiled, hf_step, {"input_ids": ids, "labels": ids})
+        return self.profiles[(seq, micro_batch)]
+
+    def expand(self, prof, chosen: dict) -> list:
+        """Per block of the model, the point of its kind (``chosen``: kind id -> point)."""
+        layout = self.layout or range(len(prof.blocks))
+        return [chosen[id(prof.kind_of[s])] for s in layout]
+
+    def kinds(self, prof) -> list:
+        layout = self.layout or range(len(prof.blocks))
+        counts = {}
+        for s in layout:
+            counts[id(prof.kind_of[s])] = counts.get(id(prof.kind_of[s]), 0) + 1
+        return [(k, counts[id(k)]) for k in prof.kinds if id(k) in counts]
+
+    def predict(self, prof, points, exact=True) -> dict:
+        out = prof.predict(points, exact=exact, layout=self.layout)
+        if self.load_in_4bit:  # the 4-bit matmul's backward dequantises one weight at a time
+            out["transient"] += self._largest_linear(prof)
+            out["peak"] += self._largest_linear(prof)
+        return out
+
+    def estimate(self, seq: int, micro_batch: int, budget=None) -> Fit:
+        """See :func:`estimate`."""
+        prof = self.profile(seq, micro_batch)
+        chosen = {}
+        for kind, _ in self.kinds(prof):
+            b = budget if not isinstance(budget, (list, tuple)) else budget[kind.blocks[0]]
+            if b is None or isinstance(b, float):
+                b = max(1, int((b or 0.0) * kind.graph.activation_bytes))
+            chosen[id(kind)] = kind.plan_at(b)
+        return _evaluate(self, seq, micro_batch, micro_batch, chosen)
+
+    def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None) -> Fit:
+        """See :func:`fit`."""
+        memory = parse_bytes(memory, "memory")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            raise ValueError(f"seq must be an int >= 1, got {seq!r}")
+        slack = (memory // 20 + (512 << 20) if memory > (4 << 30) else memory // 20) if slack is None else \
+            parse_bytes(slack, "slack")
+        usable = memory - slack
+        setup = self
+        sizes = micro_batches or [d for d in range(1, batch + 1) if batch % d == 0]
+        results = []
+        for mb in sorted(sizes):
+            r = _best_for(setup, seq, mb, batch, usable)
+            if r is None:
+                break  # a larger micro-batch needs more
+            results.append(r)
+        if results:
+            # Least predicted time per optimizer step; within 0.5%, the larger micro-batch.
+            least = min(r.step_cost for r in results)
+            best = max((r for r in results if r.step_cost <= least * 1.005), key=lambda r: r.micro_batch)
+            best.memory, best.slack = memory, slack
+            return best
+        worst = _evaluate(setup, seq, 1, batch, {id(k): k.frontier[0] for k, _ in setup.kinds(setup.profile(seq, 1))})
+        worst.memory, worst.slack, worst.fits = memory, slack, False
+        worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit)
+        return worst
+
+    def _largest_linear(self, prof) -> int:
+        return max((m.weight.numel() * 2 for b in prof.blocks for m in b.modules() if isinstance(m, nn.Linear)),
+                   default=0)
+
+
+def _evaluate(setup: Planner, seq, micro_batch, batch, chosen, exact=True) -> Fit:
+    prof = setup.profile(seq, micro_batch)
+    points = setup.expand(prof, chosen)
+    pred = setup.predict(prof, points, exact)
+    st = setup.static
+    step = max(pred["peak"], st.step)
+    recompute = sum(p.cost for p in points)
+    forward = sum(prof.kind_of[s].forward_cost for s in (setup.layout or range(len(prof.blocks))))
+    fold = FLOPS_PER_BYTE["cpu"] * 10 * st.trainable  # reading a grad and updating the fp32 buffer
+    base = 3 * forward + fold
+    parts = {"weights": st.weights, "window buffer (fp32 grads)": st.buffer, "optimizer state": st.state}
+    if st.masters:
+        parts["fp32 master weights"] = st.masters
+    if pred["peak"] >= st.step:
+        parts["block activations held"] = pred["blocks"]
+        parts["other activations and grads (embeddings, logits, loss)"] = pred["outside"]
+        parts["working set of the peak phase (recompute, grads)"] = pred["transient"]
+        phase = pred["phase"]
+    else:
+        parts["optimizer update working set"] = st.step
+        phase = "optimizer step"
+    return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
+               st.total + step, parts, str(phase), (base + recompute) / base,
+               sum(p.flops for p in points), (batch // micro_batch) * (base + recompute))
+
+
+def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
+             dtype=torch.bfloat16, master_weights=False) -> Fit:
+    """The predicted peak of a training step with a given micro-batch and checkpoint budget.
+
+    Args:
+        model: an ``nn.Module`` (real or fake tensors; not run), a preset name, a config.json
+            path or a transformers config (built on fake tensors, in ``dtype``).
+        seq, micro_batch: the input shape ``(micro_batch, seq)`` of token ids.
+        budget: per block, as ``checkpoint_blocks``'s: an int of bytes, or a fraction (None and
+            0.0 are predicted as gradaccel's keep-nothing plan, a 1-byte budget), or a list of
+            int budgets, one per block.
+        optim, lora, load_in_4bit, master_weights: as for :func:`fit`.
+
+    Returns:
+        Fit: ``peak`` and ``parts`` (accumulation steps 1).
+    """
+    return Planner(model, optim, lora, load_in_4bit, dtype, master_weights).estimate(seq, micro_batch, budget)
+
+
+def _best_for(setup: Planner, seq, micro_batch, batch, usable) -> Fit | None:
+    """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes."""
+    prof = setup.profile(seq, micro_batch)
+    kinds = setup.kinds(prof)
+    least = {id(k): k.frontier[0] for k, _ in kinds}
+    lo_fit = _evaluate(setup, seq, micro_batch, batch, least, exact=False)
+    if lo_fit.peak > usable:
+        return None
+
+    def split(m):
+        pts = split_memory([(k.frontier, n) for k, n in kinds], m)
+        return {id(k): p for (k, _), p in zip(kinds, pts)}
+
+    hi = sum(k.frontier[-1].kept * n for k, n in kinds)
+    lo, best = 0, least
+    for _ in range(14):  # the most memory the blocks may keep (estimated), by bisection
+        if hi - lo <= max(1, hi // 1000):
+            break
+        mid = (lo + hi) // 2
+        chosen = split(mid)
+        if _evaluate(setup, seq, micro_batch, batch, chosen, exact=False).peak <= usable:
+            lo, best = mid, chosen
+        else:
+            hi = mid
+    for _ in range(6):  # the exact prediction has the last word
+        result = _evaluate(setup, seq, micro_batch, batch, best)
+        if result.peak <= usable or lo == 0:
+            break
+        lo = lo * 3 // 4
+        best = split(lo)
+    result = _evaluate(setup, seq, micro_batch, batch, best)
+    return result if result.peak <= usable else None
+
+
+def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_in_4bit=False,
+        dtype=torch.bfloat16, master_weights=False, slack=None, micro_batches=None) -> Fit:
+    """The fastest way to train ``batch`` sequences of ``seq`` tokens per step in ``memory``.
+
+    Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the most
+    activation memory its blocks may keep, split across blocks by :func:`split_memory`, and
+    picks the configuration with the least predicted step time (the planner's cost model:
+    forward and backward, recompute, and the per-micro-batch fold into the fp32 buffer).
+
+    Args:
+        model: an ``nn.Module`` (a Hugging Face causal LM; it is profiled on fake tensors, not
+            run), a preset name (``gradaccel.fit.PRESETS``), a config.json path or a config.
+        seq: tokens per sequence. batch: sequences per optimizer step (the effective batch).
+        memory: the device's memory for this process: bytes or a string such as "24GiB".
+        optim: "adamw" (torch's fused AdamW), "adamw8bit" (bitsandbytes), "sgd", or an optimizer.
+        lora: LoRA rank on every linear layer of the blocks (models built from a config).
+        load_in_4bit: frozen block weights stored as nf4 (bitsandbytes, double quantisation).
+        dtype: weights' dtype for a model built from a config.
+        master_weights: fp32 master copies of bf16/fp16 parameters (FusedAccumOptimizer).
+        slack: bytes to leave for the allocator (rounding, fragmentation, CUDA context);
+            default 5% of ``memory`` plus 512 MiB, or 0 on a CPU-only machine's own models.
+        micro_batches: micro-batch sizes to try (default: the divisors of ``batch``).
+
+    Returns:
+        Fit: micro-batch, accumulation steps, per-block budgets, predicted peak with its parts
+        and step time; ``fits`` False (with ``suggestions``) when nothing fits.
+    """
+    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights)
+    return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)
+
+
+def _suggest(setup, worst, usable, lora, load_in_4bit) -> list:
+    """What would fit, from the parts of the smallest configuration (micro-batch 1, nothing kept)."""
+    st, out = setup.static, []
+    act = worst.peak - st.total
+    need = worst.peak - usable
+    frozen_weights = st.weights
+    if not load_in_4bit:
+        w4 = int(frozen_weights * 0.28)  # bf16 -> nf4 with double quantisation, about
+        out.append(("4-bit weights (--load-in-4bit) with LoRA", w4 + act < usable))
+    if not lora:
+        out.append(("LoRA (--lora 16): optimizer state and buffer for adapters only",
+                    st.weights + act + st.step // 100 < usable))
+    out.append(("a sequence half as long (activations about halve)", st.total + act // 2 < usable))
+    out.append(("offload activations to host (checkpoint(..., offload=True))", st.total + act // 3 < usable))
+    for n in (2, 4, 8, 16, 32):
+        if st.total // n + act < usable:
+            out.append((f"FSDP2 over {n} GPUs (weights, buffer and state sharded)", True))
+            break
+    return [f"{name} (short by {format_bytes(need)})" if not ok else name for name, ok in out if ok] or \
+        [f"nothing listed: short by {format_bytes(need)}"]
+
+
+# -- command line ---------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gradaccel.fit", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help=f"a config.json (or its folder) or a preset: {', '.join(PRESETS)}")
+    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--batch", type=int, required=True, help="sequences per optimizer step")
+    ap.add_argument("--memory", required=True, help="device memory, e.g. 24GiB")
+    ap.add_argument("--lora", type=int, default=None, help="LoRA rank on every linear layer of the blocks")
+    ap.add_argument("--load-in-4bit", action="store_true")
+    ap.add_argument("--optim", choices=OPTIMS, default="adamw")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--master-weights", action="store_true")
+    ap.add_argument("--slack", default=None, help="bytes left to the allocator (default 5%% + 512MiB)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    result = fit(a.model, a.seq, a.batch, a.memory, optim=a.optim, lora=a.lora, load_in_4bit=a.load_in_4bit,
+                 dtype=getattr(torch, a.dtype), master_weights=a.master_weights, slack=a.slack)
+    print(json.dumps(result.to_dict(), indent=1, default=str) if a.json else result.table())
+    return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

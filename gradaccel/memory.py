@@ -1,0 +1,156 @@
+"""Memory accounting for one training step: live tensor bytes, and the step's fixed parts.
+
+:class:`LiveBytes` counts the bytes of tensor storages created while it is active and still
+alive (a weak reference on each storage tells it when one dies), and the peak of that count,
+per phase. It runs the same on real tensors (the measured peak of a training step on CPU) and
+on fake ones (``FakeTensorMode``: a full-size model without allocating), which is how
+:mod:`gradaccel.fit` predicts a step's peak from a step it does not run.
+
+What it counts: storages made by aten ops, each once however many views share it. What it
+cannot see: scratch memory an op allocates and frees inside its kernel, and the allocator's
+own slack (rounding, fragmentation, the CUDA context); :mod:`gradaccel.fit` states those apart.
+"""
+
+import functools
+import re
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LiveBytes", "parse_bytes", "format_bytes", "storage_bytes", "optimizer_state_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value, name: str = "memory") -> int:
+    """``value`` in bytes: an int, or a string such as ``"24GiB"``, ``"6 GB"``, ``"512MiB"``.
+
+    Raises:
+        ValueError: not a non-negative int or such a string (the message names ``name``).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be bytes (an int) or a string such as '24GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 bytes, got {value!r}")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(f"{name} must be bytes (an int) or a string such as '24GiB' or '6GB', got {value!r}")
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and shared weights once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st._cdata not in seen:
+                seen.add(st._cdata)
+                total += st.nbytes()
+    return total
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in ``optimizer.state`` (the inner optimizer's, for a wrapper)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return storage_bytes(t for s in inner.state.values() for t in tree_flatten(s)[0])
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of storages created while active that are still alive, and their peak.
+
+    Attributes:
+        live: bytes of counted storages alive now.
+        peak: the most ``live`` has been since creation or :meth:`reset_peak`, taken after
+            every op (its outputs made, its inputs not yet freed).
+        phase: a label the caller sets; ``phases[label]`` is ``(live when the phase began,
+            peak during it)``.
+
+    A storage that existed before the mode (parameters, inputs) is never counted, even when
+    an op returns a view of it or writes it in place.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.phase = None
+        self.phases: dict = {}
+        self._refs: dict = {}
+
+    def set_phase(self, label) -> None:
+        self.phase = label
+        start, peak = self.phases.get(label, (self.live, 0))
+        self.phases[label] = (start, max(peak, self.live))
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+        self.phases = {}
+        if self.phase is not None:
+            self.set_phase(self.phase)
+
+    def _free(self, key, nbytes, _ref) -> None:
+        if self._refs.get(key) is _ref:
+            del self._refs[key]
+            self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in inputs or key in self._refs:
+                continue
+            n = st.nbytes()
+            self._refs[key] = weakref.ref(st, functools.partial(self._free, key, n))
+            self.live += n
+        if self.live > self.peak:
+            self.peak = self.live
+        if self.phase is not None:
+            start, peak = self.phases[self.phase]
+            if self.live > peak:
+                self.phases[self.phase] = (start, self.live)
+        return out
+
+
+def measured_peak(model, optimizer, step, batch, windows: int = 2) -> int:
+    """The real peak of live tensor bytes over a training window, on any device.
+
+    Runs ``windows`` windows of ``optimizer.accum_steps`` micro-steps (``step(model, batch)``
+    returns the loss; then ``backward``, ``optimizer.step()``, ``zero_grad()``) and returns what
+    existed before (parameters, buffers, the fp32 window buffer, optimizer state) plus the
+    peak of :class:`LiveBytes` during the last window, once the optimizer state exists.
+    """
+    accum = getattr(optimizer, "accum_steps", 1)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    before = storage_bytes(list(model.parameters()) + list(model.buffers())
+                           + [getattr(optimizer, "grad_buffer", None)]
+                           + [t for s in inner.state.values() for t in tree_flatten(s)[0]])
+    live = LiveBytes()
+    with live:
+        for w in range(windows):
+            if w == windows - 1:
+                live.reset_peak()
+            for _ in range(accum):
+                loss = step(model, batch)
+                loss.backward()
+                del loss
+                optimizer.step()
+                optimizer.zero_grad()
+    return before + live.peak
