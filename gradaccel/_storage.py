@@ -30,6 +30,12 @@ class StorageMap:
         """(storage key, value) of every storage still alive."""
         return [(key, value) for key, (ref, value) in self._entries.items() if not ref.expired()]
 
+    def live(self):
+        """(storage key, the storage as it is now, value) of every storage still alive: a storage
+        resized since it was set (FSDP2 frees a gathered parameter that way) shows its size now."""
+        return [(key, torch.UntypedStorage._new_with_weak_ptr(ref.cdata), value)
+                for key, (ref, value) in self._entries.items() if not ref.expired()]
+
     def clear(self) -> None:
         self._entries.clear()
 

@@ -350,10 +350,7 @@ def _held_now(fn):
     with log:
         out = fn()
     outputs = {out.untyped_storage()._cdata}
-    held = 0
-    for key, (ref, _) in log.created.items():
-        if not ref.expired() and key not in outputs:
-            held += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+    held = sum(storage.nbytes() for key, storage, _ in log.created.live() if key not in outputs)
     return out, held
 
 
