@@ -437,19 +437,25 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             dict with ``"state"`` and ``"param_groups"`` (the inner optimizer's, over the masters
             where ``master_weights``) and ``"gradaccel"``: the fp32 masters, the window buffer,
             which parameters got a gradient this window, and the counters. Mid-window the
-            buffer is a copy, so the dict stays a consistent snapshot after further steps.
+            buffer is a copy, so the dict stays a consistent snapshot after further steps;
+            between windows it is None (nothing folded yet), and ``"numel"`` says its size.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim.Optimizer does
             pre_hook(self)
         slots = self._slots
         sd = self.optimizer.state_dict()
         items = self._items + (self._items_t.item() if self._items_t is not None else 0.0)
+        touched = slots.touched()
+        # Between windows the buffer holds nothing of use: not saved (a checkpoint saved at every
+        # update, as Trainer's are, would carry 4 bytes per parameter for nothing).
+        live = self._micro > 0 or any(touched)
         sd["gradaccel"] = {
             "accum_steps": self.accum_steps,
             "normalize": self.normalize,
             "masters": [t if t is not p else None for p, t in zip(slots.params, slots.targets)],
-            "flat": slots.rowmajor(copy=self._micro > 0),  # between windows: unread, not copied
-            "touched": slots.touched(),
+            "flat": slots.rowmajor(copy=True) if live else None,
+            "numel": slots.flat.numel(),
+            "touched": touched,
             "micro": self._micro,
             "items": items,
             "skipped_steps": self.skipped_steps,
@@ -474,9 +480,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                              "FusedAccumOptimizer.state_dict() (load the inner optimizer's own "
                              "state dict into opt.optimizer instead)")
         slots = self._slots
-        if extra["flat"].numel() != slots.flat.numel() or len(extra["masters"]) != len(slots.params):
+        numel = extra["flat"].numel() if extra["flat"] is not None else extra["numel"]
+        if numel != slots.flat.numel() or len(extra["masters"]) != len(slots.params):
             raise ValueError("state_dict was saved for different parameters "
-                             f"({extra['flat'].numel()} elements, this optimizer has {slots.flat.numel()})")
+                             f"({numel} elements, this optimizer has {slots.flat.numel()})")
         if any((m is None) != (t is p) for p, t, m in zip(slots.params, slots.targets, extra["masters"])):
             raise ValueError("state_dict was saved with another master_weights setting or dtypes")
         if extra["normalize"] != self.normalize:
@@ -488,7 +495,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                              "Resume with the same accum_steps (change it between windows)")
         self.optimizer.load_state_dict(sd)
         with torch.no_grad():
-            slots.load_rowmajor(extra["flat"])
+            if extra["flat"] is not None:  # else saved between windows: nothing folded to restore
+                slots.load_rowmajor(extra["flat"])
             for p, t, m in zip(slots.params, slots.targets, extra["masters"]):
                 if m is not None:
                     t.copy_(m)
