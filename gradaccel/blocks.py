@@ -13,6 +13,7 @@ import functools
 import inspect
 import sys
 import types
+import warnings
 
 import torch
 import torch.nn as nn
@@ -144,7 +145,6 @@ def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=N
         key = repr(func)
         if key not in _WARNED_REPLACED:  # once per kind of function
             _WARNED_REPLACED.add(key)
-            import warnings
             warnings.warn(f"gradaccel: {type(self).__name__}'s checkpointing was asked for with {func!r}; gradaccel's "
                           f"checkpoint {ours!r} is used instead (its own keyword arguments, such as offload, are not). "
                           "Use gradaccel.checkpoint(..., offload=True) through checkpoint_blocks for offloading, "
@@ -159,7 +159,7 @@ def _take_over(model, budget):
     ``every_n_layers``) and whenever it is turned on again. Returns whether it was on."""
     func = _HFCheckpoint(budget)
     model._gradaccel_checkpoint = func
-    if "_set_gradient_checkpointing" not in vars(model):  # not twice; an older override stays seen
+    if "_set_gradient_checkpointing" not in vars(model):  # ours once; another instance override is left alone
         model._set_gradient_checkpointing = types.MethodType(_set_gradient_checkpointing, model)
     was_on = False
     for m in model.modules():
@@ -167,6 +167,10 @@ def _take_over(model, budget):
             m._gradient_checkpointing_func = func
             was_on = was_on or m.gradient_checkpointing is True
     return was_on
+
+
+def _is_ours(hook):
+    return getattr(hook, "__func__", None) is _set_gradient_checkpointing
 
 
 def release(model):
@@ -180,7 +184,8 @@ def release(model):
         if "_gradaccel_checkpoint" in vars(m):
             m._set_gradient_checkpointing(enable=False)
             del m._gradaccel_checkpoint
-            vars(m).pop("_set_gradient_checkpointing", None)
+            if _is_ours(vars(m).get("_set_gradient_checkpointing")):
+                del m._set_gradient_checkpointing
 
 
 def set_budget(model, budget):

@@ -154,6 +154,10 @@ def _patch_accelerator(acc, budget) -> None:
         if not getattr(optimizer, "_is_accelerate_prepared", False):
             optimizer = _wrap(optimizer)
             state.optimizers.append(weakref.ref(optimizer))
+        elif not isinstance(optimizer.optimizer, FusedAccumOptimizer):
+            # Prepared before gradaccel was enabled (a Trainer trained once already): wrap inside.
+            optimizer.optimizer = _wrap(optimizer.optimizer)
+            state.optimizers.append(weakref.ref(optimizer.optimizer))
         return prepare_optimizer(optimizer, device_placement=device_placement)
 
     def prepare_(*args, device_placement=None):

@@ -462,18 +462,22 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             dict with ``"state"`` and ``"param_groups"`` (the inner optimizer's, over the masters
             where ``master_weights``) and ``"gradaccel"``: the fp32 masters, the window buffer,
             which parameters got a gradient this window, and the counters. Mid-window the
-            buffer is a copy, so the dict stays a consistent snapshot after further steps.
-            On a ``fully_shard`` model the window is one fp32 DTensor per parameter and the
-            inner state has an entry per parameter, so that ``torch.distributed.checkpoint``
+            buffer is a copy, so the dict stays a consistent snapshot after further steps;
+            between windows it is None (nothing folded yet), and ``"numel"`` says its size.
+            On a ``fully_shard`` model the window is one fp32 DTensor per parameter, always present,
+            and the inner state has an entry per parameter, so that ``torch.distributed.checkpoint``
             saves every rank's shard and loads into a fresh optimizer's ``state_dict()``.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # as torch.optim.Optimizer does
             pre_hook(self)
         slots = self._slots
         unset = None
+        touched = slots.touched()
         if self._sharded is None:
             sd = self.optimizer.state_dict()
-            flat = slots.rowmajor(copy=self._micro > 0)  # between windows: unread, not copied
+            # Between windows the buffer holds nothing of use: not saved (a checkpoint saved at every
+            # update, as Trainer's are, would carry 4 bytes per parameter for nothing).
+            flat = slots.rowmajor(copy=True) if self._micro > 0 or any(touched) else None
         else:
             if self._micro and self._sharded.sync == "window":
                 raise ValueError("sync='window': mid-window the gradients are FSDP2's unsharded ones, "
@@ -490,7 +494,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             "normalize": self.normalize,
             "masters": [t if t is not p else None for p, t in zip(slots.params, slots.targets)],
             "flat": flat,
-            "touched": slots.touched(),
+            "numel": slots.flat.numel(),
+            "touched": touched,
             "micro": self._micro,
             "items": items,
             "skipped_steps": self.skipped_steps,
@@ -521,9 +526,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if self._sharded is not None:
             flat = _sharded.window_flat(flat, slots.params)
             self._sharded.hold(slots.flat, True)
-        if flat.numel() != slots.flat.numel() or len(extra["masters"]) != len(slots.params):
+        numel = flat.numel() if flat is not None else extra["numel"]
+        if numel != slots.flat.numel() or len(extra["masters"]) != len(slots.params):
             raise ValueError("state_dict was saved for different parameters "
-                             f"({flat.numel()} elements, this optimizer has {slots.flat.numel()})")
+                             f"({numel} elements, this optimizer has {slots.flat.numel()})")
         if any((m is None) != (t is p) for p, t, m in zip(slots.params, slots.targets, extra["masters"])):
             raise ValueError("state_dict was saved with another master_weights setting or dtypes")
         if extra["normalize"] != self.normalize:
@@ -540,7 +546,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             if drop:
                 self.optimizer.state.pop(q, None)
         with torch.no_grad():
-            slots.load_rowmajor(flat)
+            if flat is not None:  # else saved between windows: nothing folded to restore
+                slots.load_rowmajor(flat)
             for p, t, m in zip(slots.params, slots.targets, extra["masters"]):
                 if m is not None:
                     t.copy_(m)

@@ -124,3 +124,18 @@ def test_enable_refuses_what_would_bypass_gradaccel(tmp_path):
     ref.activation_checkpointing_enable()  # turned on later: gradaccel's, at the budget given
     assert all(isinstance(b._gradient_checkpointing_func, _HFCheckpoint) and b._gradient_checkpointing_func.budget == 0.5
                for b in ref.transformer.h)
+
+
+def test_enable_after_a_first_train_still_wraps_the_optimizer(tmp_path):
+    # Trainer keeps the optimizer it prepared in a first train(): the second must not bypass gradaccel.
+    pytest.importorskip("accelerate")
+    _, model = make_pair("gpt2", "eager")
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(1, VOCAB, (8, SEQ))]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
+                                          per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    gradaccel.hf.enable(trainer)
+    trainer.train()
+    opt = trainer.optimizer.optimizer
+    assert isinstance(opt, gradaccel.FusedAccumOptimizer) and opt.last_grad_norm is not None
