@@ -68,9 +68,8 @@ class Frame:
         k = self.k
         self.k = k + 1
         plan = self.plan
-        if self.diverged or k >= len(plan.keep) or not _same_meta(t, plan.graph.packs[k]):
-            self.diverged = True  # not what the trace saw: keep it, and everything after it
-            return Saved(t)
+        if self.diverged or k >= len(plan.keep) or not self._as_traced(t, plan.graph.packs[k]):
+            return self._diverge(t)
         if plan.keep[k]:
             kept = Saved(t)
             sid = self.pack_leaves.get(k)
@@ -78,6 +77,14 @@ class Frame:
                 self.leaves[sid] = kept.tensor
             return kept
         return k
+
+    def _as_traced(self, t: torch.Tensor, pack) -> bool:
+        """Whether ``t`` is the tensor the trace saw saved at this point."""
+        return _same_meta(t, pack)
+
+    def _diverge(self, t: torch.Tensor):
+        self.diverged = True  # not what the trace saw: keep it, and everything after it
+        return Saved(t)
 
     @torch._disable_dynamo
     def unpack(self, x):

@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_map
 
-from gradaccel._frames import Frame, Saved, TraceFrame
+from gradaccel._frames import Frame, TraceFrame
 from gradaccel._plan import capture_rng
 from gradaccel._trace import DataReads, Graph
 from gradaccel.checkpoint import _Region, _plain
@@ -53,23 +53,14 @@ def fake_copy(model: nn.Module, mode) -> nn.Module:
 
 def find_blocks(model: nn.Module) -> list:
     """The blocks ``checkpoint_blocks`` would checkpoint, in forward order (as registered)."""
-    from gradaccel.blocks import _find_blocks
+    from gradaccel.blocks import _find_blocks, _find_by_type
 
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:
         GradientCheckpointingLayer = None
-    if GradientCheckpointingLayer is not None:
-        found, inside = [], set()
-        for name, m in model.named_modules():
-            if any(name.startswith(p + ".") for p in inside):
-                continue
-            if isinstance(m, GradientCheckpointingLayer):
-                found.append(m)
-                inside.add(name)
-        if found:
-            return found
-    return _find_blocks(model)
+    found = _find_by_type(model, [GradientCheckpointingLayer]) if GradientCheckpointingLayer is not None else []
+    return found or _find_blocks(model)
 
 
 def block_kind(block: nn.Module) -> tuple:
@@ -417,19 +408,11 @@ class _SharedFrame(Frame):
     kept or dropped as the plan says; only the autograd node that made it may differ (the first
     block's input comes from the embedding, the others' from a residual add)."""
 
-    def pack(self, t: torch.Tensor):
-        k = self.k
-        self.k = k + 1
-        p = self.plan.graph.packs[k] if k < len(self.plan.keep) else None
-        if p is None or t.dtype != p.dtype or tuple(t.shape) != p.size:
-            raise RuntimeError("gradaccel.fit: blocks of one kind saved different tensors; profile them apart")
-        if self.plan.keep[k]:
-            kept = Saved(t)
-            sid = self.pack_leaves.get(k)
-            if sid is not None:
-                self.leaves[sid] = kept.tensor
-            return kept
-        return k
+    def _as_traced(self, t: torch.Tensor, pack) -> bool:
+        return t.dtype == pack.dtype and tuple(t.shape) == pack.size
+
+    def _diverge(self, t: torch.Tensor):
+        raise RuntimeError("gradaccel.fit: blocks of one kind saved different tensors; profile them apart")
 
 
 def _run_plan(forward, plan, args, kwargs):
