@@ -36,13 +36,17 @@ install: $(STAMP)
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q $(TORCH_CPU)
+	$(VENV)/bin/python -m pip install -q $(TORCH_CPU) ninja setuptools wheel
 
 # The package (editable) and its dependencies: redone when pyproject.toml, setup.py or the venv
-# change. Without the extension: `install` builds that once, in place (see setup.py).
+# change. Without the extension (see setup.py), which compiles meanwhile: the downloads wait on
+# the network and the compile on the CPU, so a first install takes the longer of the two.
 $(STAMP): pyproject.toml setup.py $(VENV_PY)
 	@mkdir -p build
-	GRADACCEL_SKIP_EXT=1 $(LOCK) $(PY) -m pip install -q --no-build-isolation $(PACKAGE)
+	@$(LOCK) $(PY) setup.py -q build_ext --inplace > build/ext-first.log 2>&1 & ext=$$!; \
+	GRADACCEL_SKIP_EXT=1 $(PY) -m pip install -q --no-build-isolation $(PACKAGE); pip=$$?; \
+	wait $$ext; built=$$?; [ $$built -eq 0 ] || cat build/ext-first.log; \
+	[ $$pip -eq 0 ] && [ $$built -eq 0 ]
 	@touch $(STAMP)
 
 test: install
