@@ -351,7 +351,8 @@ def _held_now(fn):
         out = fn()
     outputs = {out.untyped_storage()._cdata}
     held = 0
-    for key, (ref, _) in log.created.items():
+    # StorageMap's values are the bytes at creation; the size now needs its weak references.
+    for key, (ref, _) in log.created._entries.items():
         if not ref.expired() and key not in outputs:
             held += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
     return out, held
