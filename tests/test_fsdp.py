@@ -342,6 +342,85 @@ def _dcp_resume(rank):
         shutil.rmtree(path[0], ignore_errors=True)
 
 
+
+def _dcp_masters_items(rank):
+    # Saved mid-window after an update, with what the two DCP tests above leave out: bf16
+    # parameters with fp32 masters (the inner optimizer's state lives on the masters) and
+    # normalize="items" with a different token count on each rank (each rank's own count so far).
+    import torch.distributed.checkpoint as dcp
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+
+    def build(seed=0):
+        model, _ = _pair(seed=seed)
+        model.to(torch.bfloat16)
+        return model, FusedAccumOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), 2,
+                                          normalize="items", master_weights=True)
+
+    def micro_batch(model, opt, i):
+        ids = _tokens(WORLD * 2 * 2, i // 2)
+        start = (rank * 2 + i % 2) * 2
+        _ce(model(ids[start: start + 2, :-1]), ids[start: start + 2, 1:], "sum").backward()
+        opt.step(num_items=[[3, 30], [25, 1]][rank][i % 2] + i)
+
+    model, opt = build()
+    for i in range(6):
+        micro_batch(model, opt, i)
+    uninterrupted = [_full(p) for p in model.parameters()]
+    model, opt = build()
+    for i in range(3):
+        micro_batch(model, opt, i)
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path[0])
+    model, opt = build(seed=1)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=path[0])
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    assert len(opt.state) == len(list(model.parameters())), "AdamW's state on the masters was not restored"
+    for i in range(3, 6):
+        micro_batch(model, opt, i)
+    assert all(torch.equal(a, _full(p)) for a, p in zip(uninterrupted, model.parameters()))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+
+
+def _window_guards(rank):
+    # sync="window": FSDP2 reduce-scatters only in the backward the optimizer marks as the window's
+    # last. accum_steps changed between windows moves that mark (a window of 1 after one of 2 used
+    # to end with the buffer released: a write to freed memory).
+    model, ref = _pair()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window", module=model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def window(accum, seed, check=True):
+        ids = _tokens(WORLD * accum * 2, seed)
+        for k in range(accum):
+            start = (rank * accum + k) * 2
+            _lm_loss(model, ids[start: start + 2]).backward()
+            assert opt.step() == (k == accum - 1), (accum, k)
+        _lm_loss(ref, ids).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert _rel_diff(model, ref) < 1e-6, (accum, _rel_diff(model, ref))
+
+    for seed, accum in enumerate((2, 1, 3)):
+        opt.accum_steps = accum
+        window(accum, seed)
+    # A window whose last micro-batch had no backward: FSDP2 still holds the earlier ones'
+    # unreduced gradients. Every rank gets an error, and they do not leak into the next window.
+    opt.accum_steps = 2
+    _lm_loss(model, _tokens(2, 50 + rank)).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="no backward"):
+        opt.step()
+    window(2, 7)
+    # module= must hold every parameter: an FSDP module outside it would reduce-scatter into the
+    # released buffer.
+    with pytest.raises(ValueError, match="module="):
+        FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window", module=model.blocks[0])
+    model.set_requires_gradient_sync(True)
+
 def _held_now(fn):
     """Bytes of the storages ``fn``'s forward made that are alive after it, at their size now:
     FSDP2 frees a gathered parameter's storage by resizing it to 0 (the object stays)."""
@@ -436,6 +515,13 @@ def _refusals(rank):
         opt.state_dict()
     _lm_loss(model, _tokens(2, rank)).backward()
     assert opt.step()
+    # add_param_group keeps the rule of the constructor: all DTensors (one mesh) or all plain.
+    with pytest.raises(ValueError, match="DTensors"):
+        opt.add_param_group({"params": nn.Linear(2, 2).parameters()})
+    other, _ = _pair()
+    plain = FusedAccumOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), 2)
+    with pytest.raises(ValueError, match="DTensors"):
+        plain.add_param_group({"params": other.parameters()})
 
 
 def _diverged(rank):
@@ -465,6 +551,8 @@ SCENARIOS = {
     "bf16_masters": _bf16_masters,
     "nan_on_one_rank": _nan_on_one_rank,
     "dcp_resume": _dcp_resume,
+    "dcp_masters_items": _dcp_masters_items,
+    "window_guards": _window_guards,
     "checkpoint_blocks": _checkpoint_blocks_fsdp,
     "refusals": _refusals,
     "diverged": _diverged,  # last: it leaves the process group unusable
