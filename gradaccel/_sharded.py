@@ -114,6 +114,10 @@ def _held_dtypes(module: torch.nn.Module) -> set:
             for group, fp in _fsdp_params(module)}
 
 
+class WindowDropped(RuntimeError):
+    """A window lost on every rank alike: the ranks are still in step and may go on."""
+
+
 class ShardedWindow:
     """The distributed half of a window over DTensor parameters (see the module docstring).
 
@@ -171,6 +175,10 @@ class ShardedWindow:
         holds FSDP2's unsharded gradients or the buffer at a micro-batch boundary, not both."""
         if self.sync == "window":
             last = micro >= accum_steps - 1
+            if last:
+                # The next backward reduce-scatters on the main group, with no timeout of ours: a
+                # rank that would not (another accum_steps) must be caught before it, not hang.
+                self._gather_steps(micro, accum_steps, "is about to run a window's last micro-batch", [])
             module = self._module()
             if module is not None:
                 module.set_requires_gradient_sync(last)
@@ -209,23 +217,41 @@ class ShardedWindow:
 
     # --- the end of a window -------------------------------------------------------------------
     def agree(self, micro: int, accum_steps: int, items: float, touched: list[bool]) -> tuple[float, list[bool]]:
-        """All ranks' micro-step, accum_steps, items and touched flags; raises on divergence, and
-        on every rank when one still holds unreduced gradients (see :meth:`holds_unreduced`).
+        """All ranks' micro-step, accum_steps, items and touched flags; raises on divergence.
 
         Returns:
             (the window's item count over all ranks divided by the world size, touched on any rank).
             FSDP2's reduce-scatter already averaged over ranks, so items/world is what a
             per-rank sum must be divided by.
+
+        Raises:
+            WindowDropped: on every rank, when one still held unreduced gradients (see
+                :meth:`holds_unreduced`); they are discarded, and the caller starts a new window.
         """
         held = self.holds_unreduced()
-        mine = torch.tensor([float(dist.get_rank()), float(micro), float(accum_steps), items, float(held)]
-                            + [float(t) for t in touched], dtype=torch.float64)
+        table = self._gather_steps(micro, accum_steps, "ended a window",
+                                   [items, float(held)] + [float(t) for t in touched])
+        if table[:, 4].any():
+            self.discard()  # on every rank: the next window starts clean
+            raise WindowDropped("FusedAccumOptimizer: sync='window' reduce-scatters in the backward of the "
+                               "window's last micro-batch, and this window's last step() came with no "
+                               "backward (or one that missed an FSDP module) on some rank: the earlier "
+                               "micro-batches' gradients were never reduced. The window is dropped. Run a "
+                               "backward on every micro-batch (a zero loss where a rank has no data) or "
+                               "use sync='micro_batch'")
+        return table[:, 3].sum().item() / self.world, (table[:, 5:].amax(0) > 0).tolist()
+
+    def _gather_steps(self, micro: int, accum_steps: int, where: str, extra: list[float]) -> torch.Tensor:
+        """Every rank's row (rank, micro, accum_steps, *extra) from the side group; raises when a
+        rank does not come within the timeout or the ranks' (micro, accum_steps) differ."""
+        mine = torch.tensor([float(dist.get_rank()), float(micro), float(accum_steps)] + extra,
+                            dtype=torch.float64)
         rows = [torch.empty_like(mine) for _ in range(self.world)]
         try:
             dist.all_gather(rows, mine, group=self._side_group())
         except RuntimeError as e:
             raise RuntimeError(
-                f"FusedAccumOptimizer: rank {dist.get_rank()} ended a window (micro-batch {micro} of "
+                f"FusedAccumOptimizer: rank {dist.get_rank()} {where} (micro-batch {micro} of "
                 f"{accum_steps}) but the other ranks did not within {CHECK_TIMEOUT_S:.0f} s. Every rank "
                 "must call step() once per micro-batch with the same accum_steps "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
@@ -235,15 +261,7 @@ class ShardedWindow:
             raise RuntimeError("FusedAccumOptimizer: the ranks diverged: (micro-step, accum_steps) per rank "
                                f"= {steps}. Every rank must call step() once per micro-batch with the same "
                                "accum_steps")
-        if table[:, 4].any():
-            self.discard()  # on every rank: the next window starts clean
-            raise RuntimeError("FusedAccumOptimizer: sync='window' reduce-scatters in the backward of the "
-                               "window's last micro-batch, and this window's last step() came with no "
-                               "backward (or one that missed an FSDP module) on some rank: the earlier "
-                               "micro-batches' gradients were never reduced. The window is dropped. Run a "
-                               "backward on every micro-batch (a zero loss where a rank has no data) or "
-                               "use sync='micro_batch'")
-        return table[:, 3].sum().item() / self.world, (table[:, 5:].amax(0) > 0).tolist()
+        return table
 
     def global_sums(self, values: list[float]) -> list[float]:
         """``values`` (sum of squares, non-finite flag, ...) summed over all ranks, in one small

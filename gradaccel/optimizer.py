@@ -364,7 +364,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             items = self._items + (self._items_t.item() if self._items_t is not None else 0.0)
             try:
                 self._items, touched = self._sharded.agree(self._micro, self.accum_steps, items, touched)
-            except RuntimeError:  # the window is lost on every rank: start the next one clean
+            except _sharded.WindowDropped:  # lost on every rank alike: start the next one clean
                 self._reset_window()
                 raise
             self._items_t = None

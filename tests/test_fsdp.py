@@ -524,6 +524,24 @@ def _refusals(rank):
         plain.add_param_group({"params": other.parameters()})
 
 
+def _window_diverged(rank):
+    # sync="window", rank 1 with windows of 3: rank 0 would reduce-scatter in its next backward on
+    # FSDP2's group, where rank 1 never follows (a hang). The check before that backward says so.
+    timeout = _sharded.CHECK_TIMEOUT_S
+    _sharded.CHECK_TIMEOUT_S = 3  # read when the optimizer makes its side group
+    try:
+        model, _ = _pair()
+        opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2 + rank, sync="window", module=model)
+    finally:
+        _sharded.CHECK_TIMEOUT_S = timeout
+    _lm_loss(model, _tokens(2, rank)).backward()
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="last micro-batch.*other ranks did not"):
+            opt.step()
+    else:
+        assert not opt.step()  # and stops here: nothing waits on the main group
+
+
 def _diverged(rank):
     # Rank 1 thinks windows are 3 micro-batches long: rank 0 must get a clear error, not hang.
     # Rank 1 is then stuck in FSDP2's next all-gather, which fails when rank 0 leaves.
@@ -555,6 +573,7 @@ SCENARIOS = {
     "window_guards": _window_guards,
     "checkpoint_blocks": _checkpoint_blocks_fsdp,
     "refusals": _refusals,
+    "window_diverged": _window_diverged,
     "diverged": _diverged,  # last: it leaves the process group unusable
 }
 POISONS = ("diverged",)
