@@ -41,7 +41,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         normalize: ``"mean"``: each micro-batch loss is a mean; the window gradient is the mean
             over the micro-batches. ``"items"``: each loss is a sum over items (tokens), every
             ``step(num_items=n)`` says how many, and the window gradient is divided by the
-            window's total item count (across ranks with ``process_group``). ``"sum"``: the
+            window's total item count (across ranks with ``process_group`` or FSDP2). ``"sum"``: the
             losses are already scaled so that the window gradient is the plain sum of the
             micro-batch gradients (a framework's own accumulation loop, such as Hugging Face
             ``Trainer`` dividing by ``num_items_in_batch``); use it with ``accum_steps=1`` and a
@@ -57,7 +57,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         sync: for an FSDP2 (``fully_shard``) model, whose parameters are DTensors: when FSDP2
             reduce-scatters. ``"micro_batch"`` (default): after every backward, folding the
             shard at once (least memory). ``"window"``: FSDP2 holds fp32 unsharded gradients for
-            the window and reduce-scatters once (least communication); needs ``module``.
+            the window and reduce-scatters once, in the backward of the window's last
+            micro-batch, which every rank must run (least communication); needs ``module``.
             The buffer holds this rank's shards only. Build the optimizer on every rank: it
             makes a small gloo group for the end-of-window check. See ``gradaccel/_sharded.py``.
         module: the ``fully_shard``-ed root module (needed for ``sync="window"``).
