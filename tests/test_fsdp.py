@@ -419,7 +419,16 @@ def _window_guards(rank):
     # released buffer.
     with pytest.raises(ValueError, match="module="):
         FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window", module=model.blocks[0])
+    # Gradients that reach the buffer before the window's last micro-batch, where it has no memory:
+    # set by hand, or reduce-scattered because the user turned FSDP2's sync back on.
+    victim = model.blocks[0].fc1.weight
+    victim.grad = torch.zeros_like(victim)
+    with pytest.raises(RuntimeError, match="buffer is released"):
+        opt.step()
+    victim.grad = None
     model.set_requires_gradient_sync(True)
+    with pytest.raises(RuntimeError, match="buffer is released"):
+        _lm_loss(model, _tokens(2, rank)).backward()
 
 def _held_now(fn):
     """Bytes of the storages ``fn``'s forward made that are alive after it, at their size now:
