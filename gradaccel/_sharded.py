@@ -194,6 +194,17 @@ class ShardedWindow:
         elif not needed and storage.nbytes():
             storage.resize_(0)
 
+    def __del__(self) -> None:
+        # The module outlives this optimizer: give it back FSDP2's default, a reduce-scatter every
+        # backward, so that a later optimizer (or a stock loop) gets its gradients.
+        try:
+            module = self._module() if self._module is not None else None
+            if self.sync == "window" and module is not None:
+                self.discard()
+                module.set_requires_gradient_sync(True)
+        except Exception:  # interpreter shutdown: nothing left to restore
+            pass
+
     def holds_unreduced(self) -> bool:
         """Whether FSDP2 still holds unsharded gradients that no reduce-scatter has taken
         (``sync="window"``: the window's last micro-batch had no backward, or missed a module)."""

@@ -2,6 +2,7 @@
 big-batch training of an unsharded copy (stock PyTorch), for both sync choices."""
 
 import copy
+import gc
 import shutil
 import tempfile
 
@@ -429,6 +430,16 @@ def _window_guards(rank):
     model.set_requires_gradient_sync(True)
     with pytest.raises(RuntimeError, match="buffer is released"):
         _lm_loss(model, _tokens(2, rank)).backward()
+    # A sync="window" optimizer that goes gives the model back FSDP2's sync: a later optimizer
+    # with the default sync="micro_batch" trains (it got nothing before: FSDP2 held every grad).
+    model, ref = _pair()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window", module=model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    _lm_loss(model, _tokens(2, 60 + rank)).backward()
+    del opt
+    gc.collect()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    window(2, 8)
 
 def _held_now(fn):
     """Bytes of the storages ``fn``'s forward made that are alive after it, at their size now:
