@@ -197,6 +197,28 @@ def _items_and_clip(rank):
             assert _rel_diff(model, ref) < 1e-6, (sync, window, _rel_diff(model, ref))
 
 
+
+def _clip_before_step(rank):
+    # A framework's own accumulation loop (normalize="sum", accum_steps=1: two backwards, then
+    # clip_grad_norm_ and one step()): the global norm, and the update torch's clip gives.
+    model, ref = _pair()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 1, normalize="sum")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for window in range(2):
+        ids = _tokens(WORLD * 2 * 2, 20 + window)
+        for k in range(2):
+            start = (rank * 2 + k) * 2
+            (_lm_loss(model, ids[start: start + 2]) / 2).backward()
+        norm = opt.clip_grad_norm_(0.3).item()
+        assert opt.step()
+        _lm_loss(ref, ids).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3).item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert ref_norm > 0.3 and abs(norm - ref_norm) <= 1e-6 * ref_norm, (norm, ref_norm)
+        assert _rel_diff(model, ref) < 1e-6, (window, _rel_diff(model, ref))
+
+
 class _Recorder(torch.optim.Optimizer):
     """Keeps the (unsharded, fp64) gradients it is stepped with; changes nothing."""
 
@@ -585,6 +607,7 @@ SCENARIOS = {
     "hf_llama": _hf_llama,
     "reset_window": _reset_window,
     "items_and_clip": _items_and_clip,
+    "clip_before_step": _clip_before_step,
     "bf16_accumulation": _bf16_accumulation,
     "bf16_masters": _bf16_masters,
     "nan_on_one_rank": _nan_on_one_rank,
