@@ -33,6 +33,9 @@ import torch.distributed as dist
 __all__ = ["SYNC", "ShardedWindow", "local", "check_params"]
 
 SYNC = ("micro_batch", "window")
+# Which sync="window" optimizer turns each module's gradient sync on and off (a token of it): one
+# that goes restores FSDP2's default only if no newer one took the module over.
+_WINDOW_OWNER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # How long a rank waits at the end of a window for the others before it reports divergence.
 CHECK_TIMEOUT_S = 120.0
 
@@ -146,6 +149,9 @@ class ShardedWindow:
         self.sync = sync
         self._module = None if module is None else weakref.ref(module)
         self.cover(params)
+        self._token = object()
+        if sync == "window":
+            _WINDOW_OWNER[module] = self._token
         mesh = params[0].device_mesh
         self.group = mesh.get_group()
         self.world = mesh.size()
@@ -199,7 +205,7 @@ class ShardedWindow:
         # backward, so that a later optimizer (or a stock loop) gets its gradients.
         try:
             module = self._module() if self._module is not None else None
-            if self.sync == "window" and module is not None:
+            if self.sync == "window" and module is not None and _WINDOW_OWNER.get(module) is self._token:
                 self.discard()
                 module.set_requires_gradient_sync(True)
         except Exception:  # interpreter shutdown: nothing left to restore

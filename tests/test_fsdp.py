@@ -462,6 +462,11 @@ def _window_guards(rank):
     gc.collect()
     opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
     window(2, 8)
+    # ... but not when a newer sync="window" optimizer has the module (rebuilt in a loop, say).
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window", module=model)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window", module=model)
+    gc.collect()
+    window(2, 9)
 
 def _held_now(fn):
     """Bytes of the storages ``fn``'s forward made that are alive after it, at their size now:
