@@ -33,6 +33,9 @@ import torch.distributed as dist
 __all__ = ["SYNC", "ShardedWindow", "local", "check_params"]
 
 SYNC = ("micro_batch", "window")
+# Which sync="window" optimizer turns each module's gradient sync on and off (a token of it): one
+# that goes restores FSDP2's default only if no newer one took the module over.
+_WINDOW_OWNER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # How long a rank waits at the end of a window for the others before it reports divergence.
 CHECK_TIMEOUT_S = 120.0
 
@@ -114,6 +117,10 @@ def _held_dtypes(module: torch.nn.Module) -> set:
             for group, fp in _fsdp_params(module)}
 
 
+class WindowDropped(RuntimeError):
+    """A window lost on every rank alike: the ranks are still in step and may go on."""
+
+
 class ShardedWindow:
     """The distributed half of a window over DTensor parameters (see the module docstring).
 
@@ -141,6 +148,10 @@ class ShardedWindow:
             raise TypeError(f"module must be a fully_shard-ed module, got {type(module).__name__}")
         self.sync = sync
         self._module = None if module is None else weakref.ref(module)
+        self.cover(params)
+        self._token = object()
+        if sync == "window":
+            _WINDOW_OWNER[module] = self._token
         mesh = params[0].device_mesh
         self.group = mesh.get_group()
         self.world = mesh.size()
@@ -151,13 +162,29 @@ class ShardedWindow:
                               timeout=datetime.timedelta(seconds=CHECK_TIMEOUT_S))
         self._side = weakref.ref(side)  # weakly, as FusedAccumOptimizer holds its process_group
 
+    def cover(self, params: list[torch.Tensor]) -> None:
+        """With ``sync="window"``, refuses parameters that ``module`` does not shard: their FSDP
+        module would still reduce-scatter every micro-batch, into the released buffer."""
+        if self.sync != "window":
+            return
+        module = self._module()
+        mine = {id(fp.sharded_param) for _, fp in _fsdp_params(module)} if module is not None else set()
+        if any(id(p) not in mine for p in params):
+            raise ValueError("sync='window': module= must be the fully_shard-ed root module that holds "
+                             "every parameter of the optimizer (its gradient sync is turned off for "
+                             "the window); some parameters belong to no FSDP module under it")
+
     # --- FSDP2's gradient sync -----------------------------------------------------------------
     def before_micro_batch(self, micro: int, accum_steps: int, flat: torch.Tensor) -> None:
         """With ``sync="window"``, FSDP2 reduce-scatters only in the window's last backward, and
         only that backward writes the buffer: until then its memory is released, so that a rank
         holds FSDP2's unsharded gradients or the buffer at a micro-batch boundary, not both."""
         if self.sync == "window":
-            last = micro == accum_steps - 1
+            last = micro >= accum_steps - 1
+            if last:
+                # The next backward reduce-scatters on the main group, with no timeout of ours: a
+                # rank that would not (another accum_steps) must be caught before it, not hang.
+                self._gather_steps(micro, accum_steps, "is about to run a window's last micro-batch", [])
             module = self._module()
             if module is not None:
                 module.set_requires_gradient_sync(last)
@@ -172,6 +199,27 @@ class ShardedWindow:
             storage.resize_(flat.numel() * flat.element_size())
         elif not needed and storage.nbytes():
             storage.resize_(0)
+
+    def __del__(self) -> None:
+        # The module outlives this optimizer: give it back FSDP2's default, a reduce-scatter every
+        # backward, so that a later optimizer (or a stock loop) gets its gradients.
+        try:
+            module = self._module() if self._module is not None else None
+            if self.sync == "window" and module is not None and _WINDOW_OWNER.get(module) is self._token:
+                self.discard()
+                module.set_requires_gradient_sync(True)
+        except Exception:  # interpreter shutdown: nothing left to restore
+            pass
+
+    def holds_unreduced(self) -> bool:
+        """Whether FSDP2 still holds unsharded gradients that no reduce-scatter has taken
+        (``sync="window"``: the window's last micro-batch had no backward, or missed a module)."""
+        module = self._module() if self._module is not None else None
+        if self.sync != "window" or module is None:
+            return False
+        return any(fp.unsharded_accumulated_grad is not None
+                   or getattr(getattr(fp, "_unsharded_param", None), "grad", None) is not None
+                   for _, fp in _fsdp_params(module))
 
     def discard(self) -> None:
         """Drops the unsharded gradients FSDP2 holds for the window (``sync="window"``)."""
@@ -192,15 +240,35 @@ class ShardedWindow:
             (the window's item count over all ranks divided by the world size, touched on any rank).
             FSDP2's reduce-scatter already averaged over ranks, so items/world is what a
             per-rank sum must be divided by.
+
+        Raises:
+            WindowDropped: on every rank, when one still held unreduced gradients (see
+                :meth:`holds_unreduced`); they are discarded, and the caller starts a new window.
         """
-        mine = torch.tensor([float(dist.get_rank()), float(micro), float(accum_steps), items]
-                            + [float(t) for t in touched], dtype=torch.float64)
+        held = self.holds_unreduced()
+        table = self._gather_steps(micro, accum_steps, "ended a window",
+                                   [items, float(held)] + [float(t) for t in touched])
+        if table[:, 4].any():
+            self.discard()  # on every rank: the next window starts clean
+            raise WindowDropped("FusedAccumOptimizer: sync='window' reduce-scatters in the backward of the "
+                               "window's last micro-batch, and this window's last step() came with no "
+                               "backward (or one that missed an FSDP module) on some rank: the earlier "
+                               "micro-batches' gradients were never reduced. The window is dropped. Run a "
+                               "backward on every micro-batch (a zero loss where a rank has no data) or "
+                               "use sync='micro_batch'")
+        return table[:, 3].sum().item() / self.world, (table[:, 5:].amax(0) > 0).tolist()
+
+    def _gather_steps(self, micro: int, accum_steps: int, where: str, extra: list[float]) -> torch.Tensor:
+        """Every rank's row (rank, micro, accum_steps, *extra) from the side group; raises when a
+        rank does not come within the timeout or the ranks' (micro, accum_steps) differ."""
+        mine = torch.tensor([float(dist.get_rank()), float(micro), float(accum_steps)] + extra,
+                            dtype=torch.float64)
         rows = [torch.empty_like(mine) for _ in range(self.world)]
         try:
             dist.all_gather(rows, mine, group=self._side_group())
         except RuntimeError as e:
             raise RuntimeError(
-                f"FusedAccumOptimizer: rank {dist.get_rank()} ended a window (micro-batch {micro} of "
+                f"FusedAccumOptimizer: rank {dist.get_rank()} {where} (micro-batch {micro} of "
                 f"{accum_steps}) but the other ranks did not within {CHECK_TIMEOUT_S:.0f} s. Every rank "
                 "must call step() once per micro-batch with the same accum_steps "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
@@ -210,7 +278,7 @@ class ShardedWindow:
             raise RuntimeError("FusedAccumOptimizer: the ranks diverged: (micro-step, accum_steps) per rank "
                                f"= {steps}. Every rank must call step() once per micro-batch with the same "
                                "accum_steps")
-        return table[:, 3].sum().item() / self.world, (table[:, 4:].amax(0) > 0).tolist()
+        return table
 
     def global_sums(self, values: list[float]) -> list[float]:
         """``values`` (sum of squares, non-finite flag, ...) summed over all ranks, in one small
@@ -231,8 +299,9 @@ class ShardedWindow:
 # So the per-rank window buffer travels as one DTensor per parameter (sharded like it), and the
 # inner optimizer's state has an entry for every parameter even before its first update.
 
-def inner_state_dict(optimizer: torch.optim.Optimizer) -> tuple[dict, torch.Tensor]:
-    """``optimizer.state_dict()`` with an entry for every trainable parameter; and a bool tensor,
+def inner_state_dict(optimizer: torch.optim.Optimizer, targets: list[torch.Tensor]) -> tuple[dict, torch.Tensor]:
+    """``optimizer.state_dict()`` with an entry for every one of ``targets`` (the trainable
+    parameters, or their fp32 masters, which do not require grad); and a bool tensor,
     one per parameter, marking the entries made up for that (the optimizer had no state for them).
     A tensor of fixed length, not a list of indices: DCP loads into a template by key.
 
@@ -241,7 +310,8 @@ def inner_state_dict(optimizer: torch.optim.Optimizer) -> tuple[dict, torch.Tens
     ``optimizer.state`` again, so this has no effect on training; load drops them.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    unset = [i for i, p in enumerate(params) if p.requires_grad and p not in optimizer.state]
+    trainable = {id(t) for t in targets}
+    unset = [i for i, p in enumerate(params) if id(p) in trainable and p not in optimizer.state]
     mask = torch.zeros(len(params), dtype=torch.bool)
     mask[unset] = True
     if not unset:
@@ -265,6 +335,13 @@ def inner_state_dict(optimizer: torch.optim.Optimizer) -> tuple[dict, torch.Tens
         for i in unset:
             optimizer.state.pop(params[i], None)
     return sd, mask
+
+
+def items_dtensor(items: float, like: torch.Tensor) -> torch.Tensor:
+    """This rank's item count so far in the window, as its element of a DTensor over ``like``'s
+    mesh: DCP would save a plain value once, from one rank, and each rank counts its own."""
+    return DTensor.from_local(torch.tensor([items], dtype=torch.float64), like.device_mesh, [Shard(0)],
+                              run_check=False)
 
 
 def window_dtensors(flat: torch.Tensor, offsets: list[int], params: list[torch.Tensor], copy: bool) -> list:

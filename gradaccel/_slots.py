@@ -34,6 +34,20 @@ DDP_HINT = (
     "yourself (torch.distributed.broadcast) so that every rank starts equal."
 )
 
+RELEASED = (
+    "FusedAccumOptimizer: a gradient arrived while the window buffer is released. With "
+    "sync='window' only the backward of the window's last micro-batch reduce-scatters and folds: "
+    "do not turn FSDP2's gradient sync on (set_requires_gradient_sync) or set .grad yourself "
+    "earlier in the window, or use sync='micro_batch'"
+)
+
+
+def _check_live(view: torch.Tensor) -> None:
+    """Refuses a write into a slice whose memory is released (sync="window"): it would write
+    into freed memory."""
+    if view.numel() and not view.untyped_storage().nbytes():
+        raise RuntimeError(RELEASED)
+
 
 def _slice_like(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
     """``p``'s slice of ``flat``, shaped like ``p`` and, as autograd lays out a gradient, with
@@ -74,6 +88,7 @@ def _make_hook(views: list, stamps: list, clock: list, i: int) -> Callable[[torc
         # detach: backward(create_graph=True) keeps values, not graphs; local: a DTensor grad
         # (fully_shard) folds this rank's shard into this rank's slice.
         grad = local(grad).detach()
+        _check_live(views[i])
         if stamps[i] < clock[1]:
             # First arrival in this window: a converting copy overwrites the stale slice, which
             # saves zeroing the whole buffer every window (and reading it back here).
@@ -226,9 +241,11 @@ class GradSlots:
         """Folds grads that did not come through a hook (set by hand, or unfrozen later)."""
         now, start = self.clock
         late: dict[torch.dtype, tuple[list, list]] = {}
-        for p in self.params:  # checked before anything is cleared: a refusal loses no gradient
+        for p, v in zip(self.params, self.views):  # checked before anything is cleared: a refusal loses no gradient
             if p.grad is not None and p.grad.layout is not torch.strided:
                 raise RuntimeError("FusedAccumOptimizer: sparse gradients are not supported; use dense ones")
+            if p.grad is not None:
+                _check_live(v)
         for i, p in enumerate(self.params):
             g = p.grad
             if g is None:

@@ -41,7 +41,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         normalize: ``"mean"``: each micro-batch loss is a mean; the window gradient is the mean
             over the micro-batches. ``"items"``: each loss is a sum over items (tokens), every
             ``step(num_items=n)`` says how many, and the window gradient is divided by the
-            window's total item count (across ranks with ``process_group``). ``"sum"``: the
+            window's total item count (across ranks with ``process_group`` or FSDP2). ``"sum"``: the
             losses are already scaled so that the window gradient is the plain sum of the
             micro-batch gradients (a framework's own accumulation loop, such as Hugging Face
             ``Trainer`` dividing by ``num_items_in_batch``); use it with ``accum_steps=1`` and a
@@ -57,7 +57,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         sync: for an FSDP2 (``fully_shard``) model, whose parameters are DTensors: when FSDP2
             reduce-scatters. ``"micro_batch"`` (default): after every backward, folding the
             shard at once (least memory). ``"window"``: FSDP2 holds fp32 unsharded gradients for
-            the window and reduce-scatters once (least communication); needs ``module``.
+            the window and reduce-scatters once, in the backward of the window's last
+            micro-batch, which every rank must run (least communication); needs ``module``.
             The buffer holds this rank's shards only. Build the optimizer on every rank: it
             makes a small gloo group for the end-of-window check. See ``gradaccel/_sharded.py``.
         module: the ``fully_shard``-ed root module (needed for ``sync="window"``).
@@ -93,8 +94,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if _needs_closure(optimizer):
             raise TypeError(f"{type(optimizer).__name__}.step() needs a closure that it calls again and "
                             "again on one batch (a line search): it cannot accumulate over micro-batches")
-        if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-            raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps!r}")
+        _check_accum_steps(accum_steps)
         if normalize not in _NORMALIZE:
             raise ValueError(f"normalize must be one of {_NORMALIZE}, got {normalize!r}")
         if max_grad_norm is not None:
@@ -112,6 +112,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.__dict__.update(_optimizer_internals())
         self._patch_step_function()  # profiles and hooks this class's step(), as Optimizer.__init__ does
 
+        self._sharded = None  # the distributed half of a window over DTensor (fully_shard) params
         self.accum_steps = accum_steps
         self.normalize = normalize
         self.max_grad_norm = max_grad_norm
@@ -133,7 +134,6 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._mean_scale: tuple[tuple[int, int], torch.Tensor] | None = None
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._sharded = None  # the distributed half of a window over DTensor (fully_shard) params
         if _sharded.check_params(params, process_group):
             self._sharded = _sharded.ShardedWindow([p for p in params if p.requires_grad], sync, module)
         elif sync != "micro_batch" or module is not None:
@@ -169,6 +169,18 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per window; may be changed between windows."""
+        return self._accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value: int) -> None:
+        _check_accum_steps(value)
+        self._accum_steps = value
+        if self._sharded is not None:  # sync="window": which backward reduce-scatters moves with it
+            self._sharded.before_micro_batch(self._micro, value, self._slots.flat)
 
     @property
     def grad_buffer(self) -> torch.Tensor:
@@ -224,6 +236,15 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             raise TypeError("optimizer parameters need to be organized in ordered collections, "
                             "but the ordering of tensors in sets will change between runs")
         slots = self._slots
+        params = list(params)
+        group_pg = self._group() if self._group is not None else None
+        # The constructor's rule for the whole set: all DTensors on one mesh, or all plain.
+        if _sharded.check_params(slots.params + params, group_pg) != (self._sharded is not None):
+            raise ValueError("add_param_group: these parameters are DTensors (fully_shard) and the "
+                             "optimizer's are plain tensors, or the other way round; build one "
+                             "optimizer per kind")
+        if self._sharded is not None:
+            self._sharded.cover([p for p in params if p.requires_grad])
         n_params, n_frozen = len(slots.params), len(slots.frozen)
         try:
             group["params"] = slots.adopt(list(params), self.optimizer.state)
@@ -233,6 +254,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             raise
         if len(slots.params) != n_params:
             slots.grow()
+            if self._sharded is not None:  # sync="window": the new buffer is released as the old was
+                self._sharded.before_micro_batch(self._micro, self.accum_steps, slots.flat)
 
     # --- the training loop ---------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -316,6 +339,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         """Reduces, scales and measures the window's gradient. Returns (norm, touched, finite)."""
         flat = self._slots.flat
         touched = self._slots.touched()
+        if self._sharded is not None:  # sync="window" and no reduce-scatter yet: no memory to write
+            self._sharded.hold(flat, True)
         self._slots.zero_untouched(touched)
         world = 1
         if self._group is not None:
@@ -338,7 +363,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if self._sharded is not None:
             # FSDP2 already averaged over ranks: the scale is 1/accum_steps or world/total items.
             items = self._items + (self._items_t.item() if self._items_t is not None else 0.0)
-            self._items, touched = self._sharded.agree(self._micro, self.accum_steps, items, touched)
+            try:
+                self._items, touched = self._sharded.agree(self._micro, self.accum_steps, items, touched)
+            except _sharded.WindowDropped:  # lost on every rank alike: start the next one clean
+                self._reset_window()
+                raise
             self._items_t = None
         scale = self._window_scale(world)
         sumsq, nonfinite = ops.finalize_(flat, scale)
@@ -484,11 +513,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                                  "which a state dict cannot hold; save at the end of a window (after "
                                  "the step() that returned True) or use sync='micro_batch'")
             self._sharded.hold(slots.flat, True)  # sync="window" releases it between windows
-            sd, unset = _sharded.inner_state_dict(self.optimizer)
+            sd, unset = _sharded.inner_state_dict(self.optimizer, slots.targets)
             # A copy mid-window, and with sync="window", whose buffer is released between windows.
             flat = _sharded.window_dtensors(slots.rowmajor(copy=False), slots.offsets, slots.params,
                                             copy=self._micro > 0 or self._sharded.sync == "window")
         items = self._items + (self._items_t.item() if self._items_t is not None else 0.0)
+        if self._sharded is not None:  # each rank's own count so far
+            items = _sharded.items_dtensor(items, slots.params[0])
         sd["gradaccel"] = {
             "accum_steps": self.accum_steps,
             "normalize": self.normalize,
@@ -555,11 +586,19 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             slots.note_versions()
         self._micro = int(extra["micro"])
         slots.restart(self._micro, extra["touched"])
-        self._items, self._items_t = float(extra["items"]), None
+        items = extra["items"]
+        # A DTensor of per-rank counts (fully_shard): only their sum matters at the window's end.
+        self._items = float(_sharded.local(items).sum()) if torch.is_tensor(items) else float(items)
+        self._items_t = None
         self.skipped_steps = int(extra["skipped_steps"])
         self.last_grad_norm = extra["last_grad_norm"]
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _check_accum_steps(accum_steps: Any) -> None:
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps!r}")
 
 
 class _Probe(torch.optim.Optimizer):

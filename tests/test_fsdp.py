@@ -2,6 +2,7 @@
 big-batch training of an unsharded copy (stock PyTorch), for both sync choices."""
 
 import copy
+import gc
 import shutil
 import tempfile
 
@@ -196,6 +197,28 @@ def _items_and_clip(rank):
             assert _rel_diff(model, ref) < 1e-6, (sync, window, _rel_diff(model, ref))
 
 
+
+def _clip_before_step(rank):
+    # A framework's own accumulation loop (normalize="sum", accum_steps=1: two backwards, then
+    # clip_grad_norm_ and one step()): the global norm, and the update torch's clip gives.
+    model, ref = _pair()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 1, normalize="sum")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for window in range(2):
+        ids = _tokens(WORLD * 2 * 2, 20 + window)
+        for k in range(2):
+            start = (rank * 2 + k) * 2
+            (_lm_loss(model, ids[start: start + 2]) / 2).backward()
+        norm = opt.clip_grad_norm_(0.3).item()
+        assert opt.step()
+        _lm_loss(ref, ids).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3).item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert ref_norm > 0.3 and abs(norm - ref_norm) <= 1e-6 * ref_norm, (norm, ref_norm)
+        assert _rel_diff(model, ref) < 1e-6, (window, _rel_diff(model, ref))
+
+
 class _Recorder(torch.optim.Optimizer):
     """Keeps the (unsharded, fp64) gradients it is stepped with; changes nothing."""
 
@@ -342,6 +365,109 @@ def _dcp_resume(rank):
         shutil.rmtree(path[0], ignore_errors=True)
 
 
+
+def _dcp_masters_items(rank):
+    # Saved mid-window after an update, with what the two DCP tests above leave out: bf16
+    # parameters with fp32 masters (the inner optimizer's state lives on the masters) and
+    # normalize="items" with a different token count on each rank (each rank's own count so far).
+    import torch.distributed.checkpoint as dcp
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+
+    def build(seed=0):
+        model, _ = _pair(seed=seed)
+        model.to(torch.bfloat16)
+        return model, FusedAccumOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), 2,
+                                          normalize="items", master_weights=True)
+
+    def micro_batch(model, opt, i):
+        ids = _tokens(WORLD * 2 * 2, i // 2)
+        start = (rank * 2 + i % 2) * 2
+        _ce(model(ids[start: start + 2, :-1]), ids[start: start + 2, 1:], "sum").backward()
+        opt.step(num_items=[[3, 30], [25, 1]][rank][i % 2] + i)
+
+    model, opt = build()
+    for i in range(6):
+        micro_batch(model, opt, i)
+    uninterrupted = [_full(p) for p in model.parameters()]
+    model, opt = build()
+    for i in range(3):
+        micro_batch(model, opt, i)
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path[0])
+    model, opt = build(seed=1)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=path[0])
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    assert len(opt.state) == len(list(model.parameters())), "AdamW's state on the masters was not restored"
+    for i in range(3, 6):
+        micro_batch(model, opt, i)
+    assert all(torch.equal(a, _full(p)) for a, p in zip(uninterrupted, model.parameters()))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+
+
+def _window_guards(rank):
+    # sync="window": FSDP2 reduce-scatters only in the backward the optimizer marks as the window's
+    # last. accum_steps changed between windows moves that mark (a window of 1 after one of 2 used
+    # to end with the buffer released: a write to freed memory).
+    model, ref = _pair()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window", module=model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def window(accum, seed, check=True):
+        ids = _tokens(WORLD * accum * 2, seed)
+        for k in range(accum):
+            start = (rank * accum + k) * 2
+            _lm_loss(model, ids[start: start + 2]).backward()
+            assert opt.step() == (k == accum - 1), (accum, k)
+        _lm_loss(ref, ids).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert _rel_diff(model, ref) < 1e-6, (accum, _rel_diff(model, ref))
+
+    for seed, accum in enumerate((2, 1, 3)):
+        opt.accum_steps = accum
+        window(accum, seed)
+    # A window whose last micro-batch had no backward: FSDP2 still holds the earlier ones'
+    # unreduced gradients. Every rank gets an error, and they do not leak into the next window.
+    opt.accum_steps = 2
+    _lm_loss(model, _tokens(2, 50 + rank)).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="no backward"):
+        opt.step()
+    window(2, 7)
+    # module= must hold every parameter: an FSDP module outside it would reduce-scatter into the
+    # released buffer.
+    with pytest.raises(ValueError, match="module="):
+        FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window", module=model.blocks[0])
+    # Gradients that reach the buffer before the window's last micro-batch, where it has no memory:
+    # set by hand, or reduce-scattered because the user turned FSDP2's sync back on.
+    victim = model.blocks[0].fc1.weight
+    victim.grad = torch.zeros_like(victim)
+    with pytest.raises(RuntimeError, match="buffer is released"):
+        opt.step()
+    victim.grad = None
+    model.set_requires_gradient_sync(True)
+    with pytest.raises(RuntimeError, match="buffer is released"):
+        _lm_loss(model, _tokens(2, rank)).backward()
+    # A sync="window" optimizer that goes gives the model back FSDP2's sync: a later optimizer
+    # with the default sync="micro_batch" trains (it got nothing before: FSDP2 held every grad).
+    model, ref = _pair()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window", module=model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    _lm_loss(model, _tokens(2, 60 + rank)).backward()
+    del opt
+    gc.collect()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    window(2, 8)
+    # ... but not when a newer sync="window" optimizer has the module (rebuilt in a loop, say).
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window", module=model)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window", module=model)
+    gc.collect()
+    window(2, 9)
+
 def _held_now(fn):
     """Bytes of the storages ``fn``'s forward made that are alive after it, at their size now:
     FSDP2 frees a gathered parameter's storage by resizing it to 0 (the object stays)."""
@@ -432,6 +558,31 @@ def _refusals(rank):
         opt.state_dict()
     _lm_loss(model, _tokens(2, rank)).backward()
     assert opt.step()
+    # add_param_group keeps the rule of the constructor: all DTensors (one mesh) or all plain.
+    with pytest.raises(ValueError, match="DTensors"):
+        opt.add_param_group({"params": nn.Linear(2, 2).parameters()})
+    other, _ = _pair()
+    plain = FusedAccumOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), 2)
+    with pytest.raises(ValueError, match="DTensors"):
+        plain.add_param_group({"params": other.parameters()})
+
+
+def _window_diverged(rank):
+    # sync="window", rank 1 with windows of 3: rank 0 would reduce-scatter in its next backward on
+    # FSDP2's group, where rank 1 never follows (a hang). The check before that backward says so.
+    timeout = _sharded.CHECK_TIMEOUT_S
+    _sharded.CHECK_TIMEOUT_S = 3  # read when the optimizer makes its side group
+    try:
+        model, _ = _pair()
+        opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2 + rank, sync="window", module=model)
+    finally:
+        _sharded.CHECK_TIMEOUT_S = timeout
+    _lm_loss(model, _tokens(2, rank)).backward()
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="last micro-batch.*other ranks did not"):
+            opt.step()
+    else:
+        assert not opt.step()  # and stops here: nothing waits on the main group
 
 
 def _diverged(rank):
@@ -457,12 +608,16 @@ SCENARIOS = {
     "hf_llama": _hf_llama,
     "reset_window": _reset_window,
     "items_and_clip": _items_and_clip,
+    "clip_before_step": _clip_before_step,
     "bf16_accumulation": _bf16_accumulation,
     "bf16_masters": _bf16_masters,
     "nan_on_one_rank": _nan_on_one_rank,
     "dcp_resume": _dcp_resume,
+    "dcp_masters_items": _dcp_masters_items,
+    "window_guards": _window_guards,
     "checkpoint_blocks": _checkpoint_blocks_fsdp,
     "refusals": _refusals,
+    "window_diverged": _window_diverged,
     "diverged": _diverged,  # last: it leaves the process group unusable
 }
 POISONS = ("diverged",)
