@@ -299,7 +299,8 @@ class ShardedWindow:
 # So the per-rank window buffer travels as one DTensor per parameter (sharded like it), and the
 # inner optimizer's state has an entry for every parameter even before its first update.
 
-def inner_state_dict(optimizer: torch.optim.Optimizer, targets: list[torch.Tensor]) -> tuple[dict, torch.Tensor]:
+def inner_state_dict(optimizer: torch.optim.Optimizer,
+                     targets: list[torch.Tensor]) -> tuple[dict, torch.Tensor]:
     """``optimizer.state_dict()`` with an entry for every one of ``targets`` (the trainable
     parameters, or their fp32 masters, which do not require grad); and a bool tensor,
     one per parameter, marking the entries made up for that (the optimizer had no state for them).

@@ -241,7 +241,8 @@ class GradSlots:
         """Folds grads that did not come through a hook (set by hand, or unfrozen later)."""
         now, start = self.clock
         late: dict[torch.dtype, tuple[list, list]] = {}
-        for p, v in zip(self.params, self.views):  # checked before anything is cleared: a refusal loses no gradient
+        # Checked before anything is cleared: a refusal loses no gradient.
+        for p, v in zip(self.params, self.views):
             if p.grad is not None and p.grad.layout is not torch.strided:
                 raise RuntimeError("FusedAccumOptimizer: sparse gradients are not supported; use dense ones")
             if p.grad is not None:

@@ -574,7 +574,8 @@ def _window_diverged(rank):
     _sharded.CHECK_TIMEOUT_S = 3  # read when the optimizer makes its side group
     try:
         model, _ = _pair()
-        opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2 + rank, sync="window", module=model)
+        opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2 + rank, sync="window",
+                                  module=model)
     finally:
         _sharded.CHECK_TIMEOUT_S = timeout
     _lm_loss(model, _tokens(2, rank)).backward()
