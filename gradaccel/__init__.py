@@ -7,6 +7,9 @@
   accumulated exactly in one fp32 buffer while the training loop stays the stock one.
 - :func:`gradaccel.hf.enable`: one line puts a Hugging Face Trainer (TRL's too) or an
   accelerate loop on gradaccel's accumulation, clipping and checkpoint.
+- :func:`gradaccel.fit.fit` (``python -m gradaccel.fit``): micro-batch, accumulation and every
+  block's plan for a memory target, predicted on fake tensors before the first step.
+  ``checkpoint_blocks(model, memory="6GiB")`` splits one budget across the blocks.
 - :mod:`gradaccel.ops`: the fused accumulate kernels (C++ on CPU, Triton on CUDA).
 """
 
