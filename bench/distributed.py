@@ -61,7 +61,10 @@ def _configs(device: str, quick: bool) -> list[tuple[str, GPTConfig, int, int]]:
 class _Traffic:
     """Counts what this rank sends in torch.distributed collectives (ring model), while active."""
 
-    NAMES = ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather")
+    # FSDP2's collectives: the *_single ones in torch 2.13, the *_tensor ones in 2.11.
+    GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    NAMES = (GATHER, SCATTER, "all_reduce", "all_gather")
 
     def __init__(self) -> None:
         self.total = self.grads = 0.0
@@ -74,16 +77,16 @@ class _Traffic:
 
             def counted(*args, _name=name, _real=real, **kwargs):
                 bound = inspect.signature(_real).bind(*args, **kwargs).arguments
-                if _name == "all_gather_single":
+                if _name == self.GATHER:
                     sent = bound["output_tensor"].nbytes * share
-                elif _name == "reduce_scatter_single":
+                elif _name == self.SCATTER:
                     sent = bound["input"].nbytes * share
                 elif _name == "all_reduce":
                     sent = 2 * bound["tensor"].nbytes * share
                 else:
                     sent = sum(t.nbytes for t in bound["tensor_list"]) * share
                 self.total += sent
-                if _name != "all_gather_single":  # parameter all-gathers are not gradient traffic
+                if _name != self.GATHER:  # parameter all-gathers are not gradient traffic
                     self.grads += sent
                 return _real(*args, **kwargs)
             setattr(dist, name, counted)
@@ -97,17 +100,14 @@ class _Traffic:
 
 def _grad_bytes(model, opt) -> int:
     """Gradient bytes this rank holds now: sharded .grad, FSDP2's unsharded ones, our buffer."""
-    from torch.distributed.fsdp import FSDPModule
+    from gradaccel._sharded import _fsdp_params
     held = sum(p.grad._local_tensor.nbytes for p in model.parameters() if p.grad is not None)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):  # FSDP2's private records: the only place these live
-            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []:
-                for fp in group.fsdp_params:
-                    if fp.unsharded_accumulated_grad is not None:
-                        held += fp.unsharded_accumulated_grad.nbytes
-                    unsharded = getattr(fp, "_unsharded_param", None)
-                    if unsharded is not None and unsharded.grad is not None:
-                        held += unsharded.grad.nbytes
+    for _, fp in _fsdp_params(model):  # FSDP2's private records: the only place these live
+        if fp.unsharded_accumulated_grad is not None:
+            held += fp.unsharded_accumulated_grad.nbytes
+        unsharded = getattr(fp, "_unsharded_param", None)
+        if unsharded is not None and unsharded.grad is not None:
+            held += unsharded.grad.nbytes
     buffer = getattr(opt, "grad_buffer", None)
     return held + (buffer.untyped_storage().nbytes() if buffer is not None else 0)  # may be released
 

@@ -105,8 +105,13 @@ def _fsdp_params(module: torch.nn.Module) -> list:
     out = []
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []:
-                out.extend((group, fp) for fp in group.fsdp_params)
+            state = m._get_fsdp_state()
+            # torch 2.13 keeps a list of groups per module; 2.11 one group, or None.
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                one = getattr(state, "_fsdp_param_group", None)
+                groups = [one] if one is not None else []
+            out.extend((group, fp) for group in groups for fp in group.fsdp_params)
     return out
 
 
