@@ -2,9 +2,10 @@
 
 ``path="ops"`` is the public ``gradaccel.ops`` function: the C++ kernel on CPU, Triton on CUDA.
 ``path="triton"`` calls the Triton launchers directly: on CPU through ``TRITON_INTERPRET=1``
-(set by conftest), on CUDA compiled. ``path="kernel"`` calls the functions that gradaccel
-registers as the ops' CUDA kernels (C++ fold plan + Triton launch), on whatever device. So every
-device runs both the Triton and the native path.
+(set by conftest), on CUDA compiled (the fold's launcher gets its plan from the C++ extension).
+``path="kernel"`` calls the functions that gradaccel registers as the ops' CUDA kernels (their C++
+checks + Triton launch), on whatever device. So every device runs both the Triton and the
+native path.
 
 Bit-exactness: on CPU both paths compute ``acc + float(g) * s`` with two fp32 roundings, as
 PyTorch does, so they must match PyTorch's fp32 result bit for bit. On CUDA, Triton may contract
@@ -20,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradaccel import ops
+from gradaccel import _ext, ops
 from gradaccel.triton_kernels import accumulate as kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -231,24 +232,44 @@ def test_fold_empty_and_single(device, path):
     assert torch.equal(flat[:50], flat0[:50]) and torch.equal(flat[80:], flat0[80:])
 
 
-def test_fold_plan_cpp_equals_python(device):
-    """The C++ plan builder writes exactly what the Python reference builder writes."""
+def test_fold_plan_reads_back_through_the_layout(device):
+    """A plan written by the C++ builder, read through the layout the extension exposes (the one
+    the Triton launcher and kernel use), describes each grad: every header slot, row column and
+    dtype code lands where the layout says."""
     grads, offsets, total = _layout(device, MIXED, 4, align=4)
     grads[5] = grads[5].t()
     flat = torch.zeros(total, device=device)
-    ref = kernels.make_fold_plan(flat, grads, offsets)
-    unaligned = kernels.make_fold_plan(flat, grads, [o + 1 for o in offsets])
-    assert unaligned[2].item() == 0
-    plan = torch.full((kernels.fold_plan_capacity(total, len(grads)),), -1, dtype=torch.int64)
-    ops._load_ops()
+    layout = _ext.load().fold_plan_layout()
+    head, col, codes = layout["header"], layout["row"], layout["dtype"]
+    slots = _ext.load().fold_plan_capacity(total, len(grads), kernels.FOLD_BLOCK)
     plan_op = torch.ops.gradaccel._fold_plan.default
-    plan_op(flat, grads, offsets, kernels.FOLD_BLOCK, plan)
-    assert plan.numel() >= ref.numel()
-    assert torch.equal(plan[:ref.numel()], ref)
-    rows, blocks, aligned, strided = ref[:4].tolist()
-    assert (rows, strided, aligned) == (len(MIXED) - 2, 1, 1)  # minus the empty and strided grads
+
+    def plan_of(offs):
+        plan = torch.full((slots,), -1, dtype=torch.int64)
+        plan_op(flat, grads, offs, kernels.FOLD_BLOCK, plan)
+        return plan, {name: plan[slot].item() for name, slot in head.items() if name != "length"}
+
+    plan, h = plan_of(offsets)
+    rows = [i for i, g in enumerate(grads) if g.numel() and g.is_contiguous()]
+    assert h["rows"] == len(rows) and h["strided"] == 1 and h["aligned"] == 1
+    assert plan[head["length"]:h["table_start"]].tolist() == [5]  # the strided grad's index
+    assert h["end"] <= slots
+    table = plan[h["table_start"]:h["map_start"]].view(-1, col["width"])
+    block_map = plan[h["map_start"]:h["end"]].view(torch.int32)[:h["blocks"]].tolist()
+    dtypes = {code: getattr(torch, name) for name, code in codes.items()}
+    first = 0
+    for r, i in enumerate(rows):
+        g, row = grads[i], table[r].tolist()
+        assert row[col["address"]] == g.data_ptr() and row[col["numel"]] == g.numel()
+        assert row[col["offset"]] == offsets[i] and row[col["first_block"]] == first
+        assert dtypes[row[col["dtype"]]] == g.dtype
+        n_blocks = -(-g.numel() // kernels.FOLD_BLOCK)
+        assert block_map[first:first + n_blocks] == [r] * n_blocks
+        first += n_blocks
+    assert h["blocks"] == first == len(block_map)
+    assert plan_of([o + 1 for o in offsets])[1]["aligned"] == 0
     with pytest.raises(RuntimeError, match="slots"):
-        plan_op(flat, grads, offsets, kernels.FOLD_BLOCK, plan[:10])
+        plan_op(flat, grads, offsets, kernels.FOLD_BLOCK, torch.empty(10, dtype=torch.int64))
 
 
 def _finalize_reference(flat0, scale):
