@@ -272,6 +272,42 @@ def test_fold_plan_reads_back_through_the_layout(device):
         plan_op(flat, grads, offsets, kernels.FOLD_BLOCK, torch.empty(10, dtype=torch.int64))
 
 
+# A grad: (numel, dtype, contiguous?). Sizes around the fold's block of 4096 elements.
+_GRAD = st.tuples(st.sampled_from([0, 1, 5, 4095, 4096, 4097, 9000]), st.sampled_from(DTYPES), st.booleans())
+
+
+@pytest.mark.triton
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=st.lists(_GRAD, min_size=1, max_size=6), gap=st.sampled_from([0, 1, 4]), data=st.data())
+def test_fold_triton_matches_cpp(device, spec, gap, data):
+    """The Triton fold (C++ plan, Python launcher, kernel reading each row through the layout)
+    gives the C++ fold's result on lists of mixed dtypes, sizes and strides."""
+    grads, offsets, off = [], [], gap
+    for i, (n, dtype, contiguous) in enumerate(spec):
+        g = rand((n, 2) if contiguous else (2, n), dtype, device, 100 + i)
+        grads.append(g if contiguous else g.t())
+        offsets.append(off)
+        off += 2 * n + gap
+    order = data.draw(st.permutations(range(len(grads))))  # slices need not follow list order
+    grads, offsets = [grads[i] for i in order], [offsets[i] for i in order]
+    flat0 = rand(off, torch.float32, device, 99, scale=10.0)
+    out = flat0.clone()
+    kernels.fold(out, grads, offsets, 0.3)
+    ref = flat0.cpu()
+    ops.fold_(ref, [g.cpu() for g in grads], offsets, 0.3)
+    if device == "cpu":
+        # Both compute fl(fl(acc) + fl(float(g) * s)) with two IEEE fp32 roundings and no FMA
+        # (the interpreter in numpy, the C++ without contraction): equal bit for bit.
+        assert torch.equal(out, ref)
+    else:
+        # Compiled Triton may contract into one FMA (one rounding): within an ulp of the operands.
+        prod = torch.zeros(off, dtype=torch.float64)
+        for g, o in zip(grads, offsets):
+            prod[o:o + g.numel()] = g.reshape(-1).cpu().double() * f32(0.3)
+        bound = 2 * ULP * (flat0.cpu().double().abs() + prod.abs())
+        assert bool(((out.cpu().double() - ref.double()).abs() <= bound).all())
+
+
 def _finalize_reference(flat0, scale):
     out = flat0 * f32(scale)
     return out, out.double().square().sum()
