@@ -14,8 +14,8 @@ Three ops, all in fp32 arithmetic with int64 element offsets and every load mask
   small single-program reduction, so the result does not depend on scheduling.
 
 Launchers take tensors that the caller (``gradaccel.ops``) has already validated; ``fold``'s plan
-builder checks its arguments itself. Full blocks
-load under a mask that is all-true at compile time, so their loads vectorise whatever numel is.
+builder checks its arguments itself. Full blocks load under a mask that is all-true at compile
+time, so their loads vectorise whatever numel is.
 """
 
 import torch
