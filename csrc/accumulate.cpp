@@ -8,6 +8,8 @@
 #include <ATen/TensorIterator.h>
 #include <torch/library.h>
 
+#include "fold_plan.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -282,18 +284,18 @@ void fold_cpu(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offs
   });
 }
 
-// The launch plan of the Triton fold (triton_kernels/accumulate.py, make_fold_plan, documents
-// the layout), written into `plan` (int64, CPU, fold_plan_capacity slots). Built here rather
-// than in Python because a plan reads four attributes of every grad: ~20 ns each in C++ and
-// ~150 ns each in Python, which for a 150-tensor model would rival the GPU time of the fold.
-void fold_plan(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets,
-               int64_t block, const at::Tensor& plan) {
+// The launch plan of the Triton fold, in the layout of fold_plan.h, written into `plan` (int64,
+// CPU, fold_plan::capacity slots). Built here rather than in Python because a plan reads four
+// attributes of every grad: ~20 ns each in C++ and ~150 ns each in Python, which for a
+// 150-tensor model would rival the GPU time of the fold.
+void build_fold_plan(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef offsets,
+                     int64_t block, const at::Tensor& plan) {
+  namespace fp = fold_plan;
   check_fold(flat, grads, offsets);
   check_fold_layout(flat, grads, offsets);
   TORCH_CHECK(plan.device().is_cpu() && plan.scalar_type() == at::kLong && plan.dim() == 1 &&
                   plan.is_contiguous(), "gradaccel._fold_plan: plan must be a 1-D contiguous int64 CPU tensor");
   TORCH_CHECK(block > 0, "gradaccel._fold_plan: block must be positive, got ", block);
-  constexpr int64_t kRow = 5;
   const int64_t n = static_cast<int64_t>(grads.size());
   int64_t rows = 0, blocks = 0, strided = 0;
   bool aligned = reinterpret_cast<uintptr_t>(flat.const_data_ptr()) % 16 == 0;
@@ -307,11 +309,10 @@ void fold_plan(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef off
       ++strided;
     }
   }
-  const int64_t t0 = 4 + strided, m0 = t0 + kRow * rows, used = m0 + (blocks + 1) / 2;
+  const int64_t t0 = fp::kHeaderLen + strided, m0 = t0 + fp::kRowWidth * rows, used = m0 + (blocks + 1) / 2;
   TORCH_CHECK(used <= plan.numel(), "gradaccel._fold_plan: plan has ", plan.numel(),
               " slots, the fold needs ", used);
   int64_t* p = plan.data_ptr<int64_t>();
-  int64_t* table = p + t0;
   int32_t* block_map = reinterpret_cast<int32_t*>(p + m0);
   int64_t k = 0, row = 0, first_block = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -319,28 +320,30 @@ void fold_plan(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef off
     const int64_t numel = g.numel();
     if (numel == 0) continue;
     if (!g.is_contiguous()) {
-      p[4 + k++] = i;
+      p[fp::kHeaderLen + k++] = i;
       continue;
     }
     const auto addr = reinterpret_cast<uintptr_t>(g.const_data_ptr());
     aligned = aligned && addr % 16 == 0 && offsets[i] % 4 == 0;
-    const auto dt = g.scalar_type();
-    int64_t* r = table + kRow * row;
-    r[0] = static_cast<int64_t>(addr);
-    r[1] = numel;
-    r[2] = offsets[i];
-    r[3] = first_block;
-    r[4] = dt == at::kFloat ? 0 : dt == at::kBFloat16 ? 1 : 2;  // DTYPE_CODE in the Triton file
+    int64_t* r = p + t0 + fp::kRowWidth * row;
+    r[fp::kAddress] = static_cast<int64_t>(addr);
+    r[fp::kNumel] = numel;
+    r[fp::kOffset] = offsets[i];
+    r[fp::kFirstBlock] = first_block;
+    r[fp::kDtype] = fp::dtype_code(g.scalar_type());
     const int64_t nb = (numel + block - 1) / block;
     std::fill(block_map + first_block, block_map + first_block + nb, static_cast<int32_t>(row));
     first_block += nb;
     ++row;
   }
   if (blocks % 2) block_map[blocks] = 0;
-  p[0] = rows;
-  p[1] = blocks;
-  p[2] = aligned ? 1 : 0;
-  p[3] = strided;
+  p[fp::kRows] = rows;
+  p[fp::kBlocks] = blocks;
+  p[fp::kAligned] = aligned ? 1 : 0;
+  p[fp::kStrided] = strided;
+  p[fp::kTableStart] = t0;
+  p[fp::kMapStart] = m0;
+  p[fp::kEnd] = used;
 }
 
 // A scale on the CPU is accepted for a buffer on any device (the Triton path copies it over).
@@ -443,7 +446,7 @@ TORCH_LIBRARY(gradaccel, m) {
 
 // Any backend: the plan only reads tensor metadata and addresses.
 TORCH_LIBRARY_IMPL(gradaccel, CompositeExplicitAutograd, m) {
-  m.impl("_fold_plan", &fold_plan);
+  m.impl("_fold_plan", &build_fold_plan);
   m.impl("_check_scale_accumulate", &check_scale_accumulate);
   m.impl("_check_finalize", &check_finalize);
 }

@@ -8,9 +8,9 @@ arguments raise ``ValueError``/``TypeError`` naming the argument.
 
 Every argument check lives in C++ (csrc/accumulate.cpp), which refuses before writing anything;
 the Triton kernels reach the same checks through the internal ``_check_*`` ops and
-``_fold_plan``. Python adds only what the op schema hides from C++: an argument that is not a
-tensor at all. Eager CUDA calls go straight to the Triton launchers, skipping the dispatcher's
-round trip through C++ and back to Python.
+``_fold_plan`` (the Triton fold's launch plan). Python adds only what the op schema hides from
+C++: an argument that is not a tensor at all. Eager CUDA calls go straight to the Triton
+launchers, skipping the dispatcher's round trip through C++ and back to Python.
 """
 
 import numbers
@@ -20,7 +20,7 @@ import torch
 from gradaccel import _ext
 
 # The OpOverloads, resolved once: calling `.default` skips the packet's overload lookup.
-_scale_accumulate_op = _fold_op = _finalize_op = _fold_plan_op = None
+_scale_accumulate_op = _fold_op = _finalize_op = None
 _check_scale_accumulate_op = _check_finalize_op = None
 _cuda_lib = None
 _compiling = torch.compiler.is_compiling
@@ -28,7 +28,7 @@ _compiling = torch.compiler.is_compiling
 
 def _load_ops() -> None:
     """Loads the C++ extension (which defines the ops) and registers the Triton CUDA kernels."""
-    global _scale_accumulate_op, _fold_op, _finalize_op, _fold_plan_op
+    global _scale_accumulate_op, _fold_op, _finalize_op
     global _check_scale_accumulate_op, _check_finalize_op
     _ext.load()
     if torch.cuda.is_available():
@@ -37,7 +37,6 @@ def _load_ops() -> None:
     _scale_accumulate_op = lib.scale_accumulate_.default
     _fold_op = lib.fold_.default
     _finalize_op = lib.finalize_.default
-    _fold_plan_op = lib._fold_plan.default
     _check_scale_accumulate_op = lib._check_scale_accumulate.default
     _check_finalize_op = lib._check_finalize.default
 
@@ -79,13 +78,8 @@ def _scale_accumulate_triton(acc: torch.Tensor, grad: torch.Tensor, scale: float
 
 
 def _fold_triton(flat: torch.Tensor, grads: list, offsets: list, scale: float) -> None:
-    kernels = _triton()
-    if _fold_plan_op is None:
-        _load_ops()
-    # The C++ plan builder also validates (dtypes, devices, bounds, overlaps) before any launch.
-    plan = torch.empty(kernels.fold_plan_capacity(flat.numel(), len(grads)), dtype=torch.int64)
-    _fold_plan_op(flat, grads, offsets, kernels.FOLD_BLOCK, plan)
-    kernels.fold_planned(flat, grads, offsets, plan, scale)
+    # Its C++ plan builder validates (dtypes, devices, bounds, overlaps) before any launch.
+    _triton().fold(flat, grads, offsets, scale)
 
 
 def _finalize_triton(flat: torch.Tensor, scale: torch.Tensor):

@@ -2,9 +2,10 @@
 
 ``path="ops"`` is the public ``gradaccel.ops`` function: the C++ kernel on CPU, Triton on CUDA.
 ``path="triton"`` calls the Triton launchers directly: on CPU through ``TRITON_INTERPRET=1``
-(set by conftest), on CUDA compiled. ``path="kernel"`` calls the functions that gradaccel
-registers as the ops' CUDA kernels (C++ fold plan + Triton launch), on whatever device. So every
-device runs both the Triton and the native path.
+(set by conftest), on CUDA compiled (the fold's launcher gets its plan from the C++ extension).
+``path="kernel"`` calls the functions that gradaccel registers as the ops' CUDA kernels (their C++
+checks + Triton launch), on whatever device. So every device runs both the Triton and the
+native path.
 
 Bit-exactness: on CPU both paths compute ``acc + float(g) * s`` with two fp32 roundings, as
 PyTorch does, so they must match PyTorch's fp32 result bit for bit. On CUDA, Triton may contract
@@ -20,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradaccel import ops
+from gradaccel import _ext, ops
 from gradaccel.triton_kernels import accumulate as kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -231,24 +232,80 @@ def test_fold_empty_and_single(device, path):
     assert torch.equal(flat[:50], flat0[:50]) and torch.equal(flat[80:], flat0[80:])
 
 
-def test_fold_plan_cpp_equals_python(device):
-    """The C++ plan builder writes exactly what the Python reference builder writes."""
+def test_fold_plan_reads_back_through_the_layout(device):
+    """A plan written by the C++ builder, read through the layout the extension exposes (the one
+    the Triton launcher and kernel use), describes each grad: every header slot, row column and
+    dtype code lands where the layout says."""
     grads, offsets, total = _layout(device, MIXED, 4, align=4)
     grads[5] = grads[5].t()
     flat = torch.zeros(total, device=device)
-    ref = kernels.make_fold_plan(flat, grads, offsets)
-    unaligned = kernels.make_fold_plan(flat, grads, [o + 1 for o in offsets])
-    assert unaligned[2].item() == 0
-    plan = torch.full((kernels.fold_plan_capacity(total, len(grads)),), -1, dtype=torch.int64)
-    ops._load_ops()
+    layout = _ext.load().fold_plan_layout()
+    head, col, codes = layout["header"], layout["row"], layout["dtype"]
+    slots = _ext.load().fold_plan_capacity(total, len(grads), kernels.FOLD_BLOCK)
     plan_op = torch.ops.gradaccel._fold_plan.default
-    plan_op(flat, grads, offsets, kernels.FOLD_BLOCK, plan)
-    assert plan.numel() >= ref.numel()
-    assert torch.equal(plan[:ref.numel()], ref)
-    rows, blocks, aligned, strided = ref[:4].tolist()
-    assert (rows, strided, aligned) == (len(MIXED) - 2, 1, 1)  # minus the empty and strided grads
+
+    def plan_of(offs):
+        plan = torch.full((slots,), -1, dtype=torch.int64)
+        plan_op(flat, grads, offs, kernels.FOLD_BLOCK, plan)
+        return plan, {name: plan[slot].item() for name, slot in head.items() if name != "length"}
+
+    plan, h = plan_of(offsets)
+    rows = [i for i, g in enumerate(grads) if g.numel() and g.is_contiguous()]
+    assert h["rows"] == len(rows) and h["strided"] == 1 and h["aligned"] == 1
+    assert plan[head["length"]:h["table_start"]].tolist() == [5]  # the strided grad's index
+    assert h["end"] <= slots
+    table = plan[h["table_start"]:h["map_start"]].view(-1, col["width"])
+    block_map = plan[h["map_start"]:h["end"]].view(torch.int32)[:h["blocks"]].tolist()
+    dtypes = {code: getattr(torch, name) for name, code in codes.items()}
+    first = 0
+    for r, i in enumerate(rows):
+        g, row = grads[i], table[r].tolist()
+        assert row[col["address"]] == g.data_ptr() and row[col["numel"]] == g.numel()
+        assert row[col["offset"]] == offsets[i] and row[col["first_block"]] == first
+        assert dtypes[row[col["dtype"]]] == g.dtype
+        n_blocks = -(-g.numel() // kernels.FOLD_BLOCK)
+        assert block_map[first:first + n_blocks] == [r] * n_blocks
+        first += n_blocks
+    assert h["blocks"] == first == len(block_map)
+    assert plan_of([o + 1 for o in offsets])[1]["aligned"] == 0
     with pytest.raises(RuntimeError, match="slots"):
-        plan_op(flat, grads, offsets, kernels.FOLD_BLOCK, plan[:10])
+        plan_op(flat, grads, offsets, kernels.FOLD_BLOCK, torch.empty(10, dtype=torch.int64))
+
+
+# A grad: (numel, dtype, contiguous?). Sizes around the fold's block of 4096 elements.
+_GRAD = st.tuples(st.sampled_from([0, 1, 5, 4095, 4096, 4097, 9000]), st.sampled_from(DTYPES), st.booleans())
+
+
+@pytest.mark.triton
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=st.lists(_GRAD, min_size=1, max_size=6), gap=st.sampled_from([0, 1, 4]), data=st.data())
+def test_fold_triton_matches_cpp(device, spec, gap, data):
+    """The Triton fold (C++ plan, Python launcher, kernel reading each row through the layout)
+    gives the C++ fold's result on lists of mixed dtypes, sizes and strides."""
+    grads, offsets, off = [], [], gap
+    for i, (n, dtype, contiguous) in enumerate(spec):
+        g = rand((n, 2) if contiguous else (2, n), dtype, device, 100 + i)
+        grads.append(g if contiguous else g.t())
+        offsets.append(off)
+        off += 2 * n + gap
+    order = data.draw(st.permutations(range(len(grads))))  # slices need not follow list order
+    grads, offsets = [grads[i] for i in order], [offsets[i] for i in order]
+    flat0 = rand(off, torch.float32, device, 99, scale=10.0)
+    out = flat0.clone()
+    kernels.fold(out, grads, offsets, 0.3)
+    ref = flat0.cpu()
+    ops.fold_(ref, [g.cpu() for g in grads], offsets, 0.3)
+    if device == "cpu":
+        # Both compute fl(fl(acc) + fl(float(g) * s)) with two IEEE fp32 roundings and no FMA
+        # (the interpreter in numpy, the C++ without contraction): equal bit for bit.
+        assert torch.equal(out, ref)
+    else:
+        # Compiled Triton may contract into one FMA (one rounding): within an ulp of the operands.
+        prod = torch.zeros(off, dtype=torch.float64)
+        for g, o in zip(grads, offsets):
+            prod[o:o + g.numel()] = g.reshape(-1).cpu().double() * f32(0.3)
+        bound = 2 * ULP * (flat0.cpu().double().abs() + prod.abs())
+        assert bool(((out.cpu().double() - ref.double()).abs() <= bound).all())
 
 
 def _finalize_reference(flat0, scale):

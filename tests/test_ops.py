@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from gradaccel import ops
+from gradaccel import _ext, ops
 from gradaccel.triton_kernels import accumulate as kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -46,7 +46,8 @@ def test_opcheck(device, dtype):
     torch.library.opcheck(_op("fold_"), (rand(total, torch.float32, device, 93), grads, offsets, 0.5))
     torch.library.opcheck(_op("finalize_"), (rand(4099, torch.float32, device, 94),
                                              torch.tensor(0.5, device=device)))
-    plan = torch.zeros(kernels.fold_plan_capacity(total, len(grads)), dtype=torch.int64)
+    slots = _ext.load().fold_plan_capacity(total, len(grads), kernels.FOLD_BLOCK)
+    plan = torch.zeros(slots, dtype=torch.int64)
     torch.library.opcheck(_op("_fold_plan"), (rand(total, torch.float32, device, 95), grads, offsets,
                                               kernels.FOLD_BLOCK, plan))
 
@@ -178,7 +179,7 @@ def compile_ptx(fn, sig, consts, aligned_args, arch):
 sa = {n: "i64" for n in k._scale_accumulate_kernel.arg_names}
 sa.update(acc_ptr="*fp32", grad_ptr="*bf16", scale="fp32", CONTIGUOUS="constexpr", BLOCK="constexpr")
 fold = dict(flat_ptr="*fp32", table_ptr="*i64", block_map_ptr="*i32", scale="fp32",
-            ROW="constexpr", ALIGNED="constexpr", BLOCK="constexpr")
+            ALIGNED="constexpr", BLOCK="constexpr")
 fin = dict(flat_ptr="*fp32", scale_ptr="*fp32", sq_partial_ptr="*fp64", bad_partial_ptr="*i32",
            numel="i64", BLOCK="constexpr")
 red = dict(sq_partial_ptr="*fp64", bad_partial_ptr="*i32", n="i64", sumsq_ptr="*fp32",
@@ -187,8 +188,8 @@ arch = int(sys.argv[1])
 cases = {
     "scale_accumulate": (k._scale_accumulate_kernel, sa, {"CONTIGUOUS": True, "BLOCK": 4096}, (0, 1), True),
     "scale_accumulate_strided": (k._scale_accumulate_kernel, sa, {"CONTIGUOUS": False, "BLOCK": 4096}, (0, 1), False),
-    "fold": (k._fold_kernel, fold, {"ROW": k.ROW, "ALIGNED": True, "BLOCK": k.FOLD_BLOCK}, (0,), True),
-    "fold_unaligned": (k._fold_kernel, fold, {"ROW": k.ROW, "ALIGNED": False, "BLOCK": k.FOLD_BLOCK}, (0,), False),
+    "fold": (k._fold_kernel, fold, {"ALIGNED": True, "BLOCK": k.FOLD_BLOCK}, (0,), True),
+    "fold_unaligned": (k._fold_kernel, fold, {"ALIGNED": False, "BLOCK": k.FOLD_BLOCK}, (0,), False),
     "finalize": (k._finalize_kernel, fin, {"BLOCK": 4096}, (0,), True),
     "finalize_reduce": (k._finalize_reduce_kernel, red, {"BLOCK": 1024}, (), False),
 }

@@ -4,30 +4,45 @@ Three ops, all in fp32 arithmetic with int64 element offsets and every load mask
 
 - ``scale_accumulate(acc, grad, scale)``: ``acc += grad * scale`` for one tensor of any strides.
 - ``fold(flat, grads, offsets, scale)``: one launch folds a list of grads into their slices of a
-  flat fp32 buffer, whatever their dtypes. A plan (built by ``make_fold_plan`` here, or in C++
-  by ``gradaccel.ops``) holds a row per grad (raw data address, numel, offset, first block,
-  dtype code) and a block -> row map. Raw addresses work on CUDA and in the interpreter
-  (``TRITON_INTERPRET=1`` on CPU tensors) alike: the interpreter dereferences host addresses.
+  flat fp32 buffer, whatever their dtypes. A plan, built by the C++ extension in the layout it
+  defines (csrc/fold_plan.h, read here through ``gradaccel._C.fold_plan_layout()``), holds a row
+  per grad (raw data address, numel, offset, first block, dtype code) and a block -> row map.
+  Raw addresses work on CUDA and in the interpreter (``TRITON_INTERPRET=1`` on CPU tensors)
+  alike: the interpreter dereferences host addresses.
 - ``finalize(flat, scale)``: ``flat *= scale`` (``scale`` a 0-d tensor, read on the device),
   with a non-finite flag and the sum of squares of the result: per-block fp64 partials, then one
   small single-program reduction, so the result does not depend on scheduling.
 
-Launchers take tensors that the caller (``gradaccel.ops``) has already validated. Full blocks
-load under a mask that is all-true at compile time, so their loads vectorise whatever numel is.
+Launchers take tensors that the caller (``gradaccel.ops``) has already validated; ``fold``'s plan
+builder checks its arguments itself. Full blocks load under a mask that is all-true at compile
+time, so their loads vectorise whatever numel is.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from gradaccel import _ext
+
 # Rank the strided kernel indexes directly; the launcher collapses contiguous runs of dims first.
 _MAX_DIMS = 4
-# The fold reads each grad through a pointer typed by this code (csrc/accumulate.cpp agrees).
-DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Fold plan: int64 columns per grad (address, numel, offset, first block, dtype code).
-ROW = 5
 # Elements per fold program: fixed, because the plan (built before launch) maps blocks to grads.
 FOLD_BLOCK, FOLD_WARPS = 4096, 8
+
+# The fold plan's layout, defined once in C++ (csrc/fold_plan.h). The kernel sees the row
+# columns and dtype codes as compile-time constants.
+_C = _ext.load()
+_LAYOUT = _C.fold_plan_layout()
+_HEAD = _LAYOUT["header"]
+_ROW = tl.constexpr(_LAYOUT["row"]["width"])
+_ADDRESS = tl.constexpr(_LAYOUT["row"]["address"])
+_NUMEL = tl.constexpr(_LAYOUT["row"]["numel"])
+_OFFSET = tl.constexpr(_LAYOUT["row"]["offset"])
+_FIRST_BLOCK = tl.constexpr(_LAYOUT["row"]["first_block"])
+_DTYPE = tl.constexpr(_LAYOUT["row"]["dtype"])
+_BF16 = tl.constexpr(_LAYOUT["dtype"]["bfloat16"])
+_FP16 = tl.constexpr(_LAYOUT["dtype"]["float16"])
+_build_plan = torch.ops.gradaccel._fold_plan.default
 
 
 def block_config(numel: int) -> tuple[int, int]:
@@ -97,14 +112,14 @@ def _fold_block(flat_ptr, addr, offset, idx, numel, scale, DTYPE: tl.constexpr,
 
 @triton.jit
 def _fold_kernel(flat_ptr, table_ptr, block_map_ptr, scale,
-                 ROW: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                 ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    row = table_ptr + tl.load(block_map_ptr + pid).to(tl.int64) * ROW
-    addr = tl.load(row + 0)
-    numel = tl.load(row + 1)
-    offset = tl.load(row + 2)
-    first_block = tl.load(row + 3)
-    code = tl.load(row + 4)
+    row = table_ptr + tl.load(block_map_ptr + pid).to(tl.int64) * _ROW
+    addr = tl.load(row + _ADDRESS)
+    numel = tl.load(row + _NUMEL)
+    offset = tl.load(row + _OFFSET)
+    first_block = tl.load(row + _FIRST_BLOCK)
+    code = tl.load(row + _DTYPE)
     if ALIGNED:
         offset = tl.multiple_of(offset, 4)  # 16 bytes of fp32
     start = (pid - first_block).to(tl.int64) * BLOCK
@@ -112,17 +127,17 @@ def _fold_kernel(flat_ptr, table_ptr, block_map_ptr, scale,
     full = start + BLOCK <= numel
     # Branch on dtype and fullness here, outermost: loads nested in a branch lose the facts
     # about a mask or pointer made outside it, and stay scalar (seen in the sm_90 PTX).
-    if code == 1:
+    if code == _BF16:
         if full:
             _fold_block(flat_ptr, addr, offset, idx, numel, scale, tl.bfloat16, ALIGNED, True, BLOCK)
         else:
             _fold_block(flat_ptr, addr, offset, idx, numel, scale, tl.bfloat16, ALIGNED, False, BLOCK)
-    elif code == 2:
+    elif code == _FP16:
         if full:
             _fold_block(flat_ptr, addr, offset, idx, numel, scale, tl.float16, ALIGNED, True, BLOCK)
         else:
             _fold_block(flat_ptr, addr, offset, idx, numel, scale, tl.float16, ALIGNED, False, BLOCK)
-    else:
+    else:  # float32: the C++ plan builder refuses any other dtype
         if full:
             _fold_block(flat_ptr, addr, offset, idx, numel, scale, tl.float32, ALIGNED, True, BLOCK)
         else:
@@ -223,58 +238,23 @@ def scale_accumulate(acc: torch.Tensor, grad: torch.Tensor, scale: float) -> Non
     acc.copy_(tmp)
 
 
-def fold_plan_capacity(flat_numel: int, n_grads: int) -> int:
-    """int64 slots that a fold plan of ``n_grads`` grads into ``flat_numel`` elements may need.
-
-    Disjoint slices hold at most ``flat_numel`` elements, so they span at most
-    ``flat_numel // FOLD_BLOCK + n_grads`` blocks.
-    """
-    return 4 + n_grads + ROW * n_grads + (flat_numel // FOLD_BLOCK + n_grads + 1) // 2 + 1
-
-
-def make_fold_plan(flat: torch.Tensor, grads: list, offsets: list) -> torch.Tensor:
-    """The fold plan built in Python (``gradaccel.ops`` builds the same one in C++, faster).
-
-    Layout (int64, CPU): a header ``[rows, blocks, aligned, k]``; the indices of the ``k``
-    non-contiguous grads (folded separately); ``rows`` table rows ``[address, numel, offset,
-    first block, dtype code]``, one per non-empty contiguous grad; then the block -> row map as
-    ``blocks`` int32 values packed two per slot.
-    """
-    strided = [i for i, g in enumerate(grads) if g.numel() and not g.is_contiguous()]
-    table, block_map = [], []
-    aligned = flat.data_ptr() % 16 == 0
-    for g, off in zip(grads, offsets):
-        n = g.numel()
-        if n == 0 or not g.is_contiguous():
-            continue
-        aligned = aligned and g.data_ptr() % 16 == 0 and off % 4 == 0
-        table += [g.data_ptr(), n, off, len(block_map), DTYPE_CODE[g.dtype]]
-        block_map += [len(table) // ROW - 1] * triton.cdiv(n, FOLD_BLOCK)
-    header = [len(table) // ROW, len(block_map), int(aligned), len(strided)]
-    if len(block_map) % 2:
-        block_map.append(0)
-    packed = torch.tensor(block_map, dtype=torch.int32).view(torch.int64)
-    return torch.cat([torch.tensor(header + strided + table, dtype=torch.int64), packed])
-
-
 def fold_planned(flat: torch.Tensor, grads: list, offsets: list, plan: torch.Tensor, scale: float) -> None:
-    """Launches the fold described by ``plan`` (see :func:`make_fold_plan`): one launch for every
-    contiguous grad, whatever their dtypes; each non-contiguous grad goes through the strided
-    single-tensor kernel onto a view of its slice."""
-    rows, blocks, aligned, k = plan[:4].tolist()
-    for i in plan[4:4 + k].tolist():
+    """Launches the fold described by ``plan`` (written by the extension's ``_fold_plan`` op): one
+    launch for every contiguous grad, whatever their dtypes; each non-contiguous grad goes through
+    the strided single-tensor kernel onto a view of its slice."""
+    head = plan[:_HEAD["length"]].tolist()
+    table, block_map, blocks = head[_HEAD["table_start"]], head[_HEAD["map_start"]], head[_HEAD["blocks"]]
+    for i in plan[_HEAD["length"]:table].tolist():
         g = grads[i]
         scale_accumulate(flat[offsets[i]:offsets[i] + g.numel()].view(g.shape), g, scale)
     if blocks == 0:
         return
-    t0 = 4 + k
-    m0 = t0 + ROW * rows
-    plan = plan[:m0 + (blocks + 1) // 2]
+    plan = plan[:head[_HEAD["end"]]]
     if flat.device.type != "cpu":
         # Pageable memory: the copy is staged before this returns, so the plan may be freed.
         plan = plan.to(flat.device, non_blocking=True)
-    _fold_kernel[(blocks,)](flat, plan[t0:m0], plan[m0:].view(torch.int32), scale,
-                            ROW=ROW, ALIGNED=bool(aligned), BLOCK=FOLD_BLOCK, num_warps=FOLD_WARPS)
+    _fold_kernel[(blocks,)](flat, plan[table:block_map], plan[block_map:].view(torch.int32), scale,
+                            ALIGNED=bool(head[_HEAD["aligned"]]), BLOCK=FOLD_BLOCK, num_warps=FOLD_WARPS)
 
 
 def fold(flat: torch.Tensor, grads: list, offsets: list, scale: float) -> None:
@@ -285,8 +265,14 @@ def fold(flat: torch.Tensor, grads: list, offsets: list, scale: float) -> None:
         grads: fp32/bf16/fp16 tensors on ``flat``'s device, any shapes and strides.
         offsets: element offset of each grad's slice in ``flat``; slices in bounds, disjoint.
         scale: multiplier, applied in fp32.
+
+    Raises:
+        ValueError, RuntimeError: from the plan builder, which checks the arguments before any
+            launch (see ``gradaccel.ops.fold_``).
     """
-    fold_planned(flat, grads, offsets, make_fold_plan(flat, grads, offsets), scale)
+    plan = torch.empty(_C.fold_plan_capacity(flat.numel(), len(grads), FOLD_BLOCK), dtype=torch.int64)
+    _build_plan(flat, grads, offsets, FOLD_BLOCK, plan)
+    fold_planned(flat, grads, offsets, plan, scale)
 
 
 def finalize(flat: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
