@@ -15,7 +15,7 @@ import torch.utils.checkpoint as tc
 from torch.utils.flop_counter import FlopCounterMode
 
 import gradaccel
-from bench.models import Block, GPTConfig
+from _models import Block, GPTConfig
 from gradaccel._state import STATE
 from gradaccel.checkpoint import plan_report, plan_rows, reset_plans
 from gradaccel.measure import held_activation_bytes
