@@ -31,7 +31,7 @@ class OpCost:
         flops: its FLOPs by torch's formula (0 for elementwise ops and data movement; for an op
             outside aten, estimated from its time or bounded: see ``plan_rows()['priced_ops']``).
         bytes: the bytes it reads and writes (tensor arguments and outputs).
-        device: the device it ran on.
+        device: the device of its first tensor argument (CPU for an op with none).
     """
 
     name: str

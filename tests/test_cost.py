@@ -163,6 +163,28 @@ def test_sequential_and_blocks_pass_cost_through():
     assert calls and all(_regions(b)[0].graph.cost is cost for b in net.blocks)
 
 
+def test_the_hugging_face_route_keeps_cost_through_set_budget():
+    """checkpoint_blocks hands HF models a checkpoint function (blocks._HFCheckpoint); a later
+    set_budget must keep its cost model. Without transformers: the hand-over itself."""
+    from gradaccel import blocks
+
+    calls = []
+
+    def cost(op):
+        calls.append(op.name)
+        return 1.0
+
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    layer.gradient_checkpointing = True  # what blocks._take_over looks for on HF layers
+    blocks._take_over(layer, 0.5, cost)
+    assert blocks.set_budget(layer, 0.25) == 1
+    func = layer._gradient_checkpointing_func
+    assert func.budget == 0.25 and func.cost is cost
+    func(layer, torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert calls and _regions(layer)[0].graph.cost is cost
+
+
 class _Unhashable:
     __hash__ = None
 
