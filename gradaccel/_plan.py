@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradaccel import _ext
 from gradaccel._roles import Leaf, Read, Source
-from gradaccel._trace import FLOPS_PER_BYTE, Graph, Ref
+from gradaccel._cost import FLOPS_PER_BYTE, OFFLOAD_PROBE_BYTES, OpCost, price
+from gradaccel._trace import Graph, Ref
 
 
 @dataclasses.dataclass
@@ -172,17 +173,27 @@ def _rng_restored(state):
         yield
 
 
-@functools.cache
-def offload_cost_per_byte(device: torch.device) -> float:
-    """What sending one byte to host memory and back costs, in the units of op costs.
-
-    Op costs count the bytes an op reads and writes at the device's memory bandwidth; a copy
-    of n bytes moves 2n there, so a round trip costs 2 * (bandwidth / d2h + bandwidth / h2d)
-    per byte, with copy speeds measured once per process (gradaccel.offload.copy_bandwidth).
-    """
+def offload_cost_per_byte(device: torch.device, cost="flops") -> float:
+    """What sending one byte to host memory and back costs, in the units of op costs under the
+    cost model ``cost`` (see :func:`gradaccel.checkpoint`), with copy speeds measured once per
+    process (gradaccel.offload.copy_bandwidth): for ``"measured"``, the round trip's seconds per
+    byte; for a callable, its price of a round trip of a MiB (``OpCost`` named
+    ``"gradaccel.offload"``), per byte."""
+    if callable(cost):
+        return price(cost, OpCost("gradaccel.offload", 0, OFFLOAD_PROBE_BYTES, device), None) / OFFLOAD_PROBE_BYTES
     from gradaccel.offload import copy_bandwidth
 
     d2h, h2d = copy_bandwidth(device)
+    if cost == "measured":
+        return 1 / d2h + 1 / h2d
+    return _flops_copy_cost(device, d2h, h2d)
+
+
+@functools.cache
+def _flops_copy_cost(device: torch.device, d2h: float, h2d: float) -> float:
+    """The round trip under the "flops" model. Op costs count the bytes an op reads and writes at
+    the device's memory bandwidth; a copy of n bytes moves 2n there, so a round trip costs
+    2 * (bandwidth / d2h + bandwidth / h2d) per byte."""
     if device.type == "cuda":
         x = torch.empty(64 << 20, dtype=torch.uint8, device=device)
         y = torch.empty_like(x)
@@ -200,7 +211,8 @@ def offload_cost_per_byte(device: torch.device) -> float:
     return 2 * balance * (local / d2h + local / h2d)
 
 
-def rng_bytes(graph: Graph) -> int:
+def rng_state_bytes(graph: Graph) -> int:
+    """Bytes of the generator states a call saves for a replay of random ops."""
     cpu, cuda = capture_rng(graph.devices)
     return cpu.numel() + sum(s.numel() for _, s in cuda)
 
@@ -211,7 +223,8 @@ def _problem(graph: Graph, available: list, candidates: list, nbytes: list, valu
     return _ext.load().PlanProblem(
         [op.cost for op in graph.ops], [op.replayable for op in graph.ops], [op.reads for op in graph.ops],
         [p for _, p in graph.values], [s for s, _ in graph.values],
-        [graph.is_leaf_value(v) for v in range(len(graph.values))], available, candidates, nbytes, values)
+        [graph.is_leaf_value(v) for v in range(len(graph.values))], available, candidates, nbytes, values,
+        [op.random for op in graph.ops])
 
 
 def rebuildable(graph: Graph, sid: int) -> bool:
@@ -224,13 +237,15 @@ def rebuildable(graph: Graph, sid: int) -> bool:
 
 
 def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
-              offload_cost_per_byte: float | None = None) -> Plan:
-    """Plans ``graph``: under ``budget_bytes``, or (the traced call itself) with exactly the
-    storages in ``dropped`` dropped and every other saved storage kept.
+              offload_cost_per_byte: float | None = None, rng_bytes: int = 0) -> Plan:
+    """Plans ``graph``, in one call of the C++ planner: under ``budget_bytes``, or (the traced
+    call itself) with exactly the storages in ``dropped`` dropped and every other saved storage kept.
 
-    With ``offload_cost_per_byte`` (the copy's cost in the units of op costs), storages the
-    budget leaves out go to host memory instead of being recomputed where that costs less:
-    greedily, the one that saves most replay cost per byte first. The plan then carries a
+    ``rng_bytes``: the generator state a call saves when its replay runs random ops; where the
+    plan replays one, it is planned at ``budget_bytes - rng_bytes`` instead (the state is held
+    by the region too). With ``offload_cost_per_byte`` (the copy's cost in the units of op costs),
+    storages the budget leaves out go to host memory instead of being recomputed where that costs
+    less: greedily, the one that saves most replay cost per byte first. The plan then carries a
     ``fallback``: the same plan without offload, for a call whose host memory runs out.
 
     Raises:
@@ -248,35 +263,18 @@ def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
     budget = 0 if dropped is not None else budget_bytes
     nbytes = [storages[s].nbytes for s in candidates]
     problem = _problem(graph, available, candidates, nbytes, [final[s] for s in candidates])
-    kept_mask, steps, cost, exact, fits = problem.plan(budget)
-    if dropped is not None and any(kept_mask):
+    r = problem.plan(budget, rng_bytes=rng_bytes, copy_cost_per_byte=offload_cost_per_byte)
+    if dropped is not None and any(r.kept):
         raise RuntimeError(
             "gradaccel.checkpoint: the region writes in place to a tensor it did not create, so what it "
             "saved for backward cannot be recomputed; use budget=0 (torch.utils.checkpoint) for this region.")
-    kept = {s for s, k in zip(candidates, kept_mask) if k}
-    plan = _build(graph, region, available, kept, set(), steps, cost, exact, fits, budget)
-    if offload_cost_per_byte is None:
-        return plan
-    mask, offloaded = list(kept_mask), set()
-    while True:
-        best = None
-        for i, s in enumerate(candidates):
-            if mask[i] or nbytes[i] == 0:
-                continue
-            mask[i] = True
-            saved = cost - problem.replay(mask)[0]
-            mask[i] = False
-            gain = (saved - offload_cost_per_byte * nbytes[i]) / nbytes[i]
-            if gain > 0 and (best is None or gain > best[0]):
-                best = (gain, i)
-        if best is None:
-            break
-        mask[best[1]] = True
-        offloaded.add(candidates[best[1]])
-        cost, steps = problem.replay(mask)
+    kept = {s for s, k in zip(candidates, r.kept) if k}
+    offloaded = {s for s, o in zip(candidates, r.offloaded) if o}
+    plan = _build(graph, region, available, kept, set(), r.fallback_steps, r.fallback_cost, r.exact, r.fits,
+                  r.budget)
     if not offloaded:
         return plan
-    with_offload = _build(graph, region, available, kept, offloaded, steps, cost, exact, fits, budget)
+    with_offload = _build(graph, region, available, kept, offloaded, r.steps, r.cost, r.exact, r.fits, r.budget)
     with_offload.fallback = plan
     return with_offload
 

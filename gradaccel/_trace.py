@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from gradaccel._cost import FLOPS_PER_BYTE, OpCost, price, run_timed  # noqa: F401 (FLOPS_PER_BYTE: fit.py)
 from gradaccel._roles import Leaf, Source
 from gradaccel._storage import StorageMap, lazy_bits, storage_key
 
@@ -52,8 +53,6 @@ _DYNAMIC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape
 # Ops tagged with a dynamic output shape that is static for integer indices: the output takes the
 # indices' shape, and replay reads the indices of the call it rebuilds (MoE routing, x[..., [-2]]).
 _INDEX_OPS = _existing("index", "_unsafe_index")
-# Machine balance of the recompute cost model: one byte moved costs as much as this many FLOPs.
-FLOPS_PER_BYTE = {"cpu": 8.0, "cuda": 100.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +92,7 @@ class Op:
     reads: list  # value ids this op depends on
     new_storages: list  # (storage id, index of the tensor among the flattened outputs)
     flops: int
-    cost: float
+    cost: float  # under the graph's cost model (gradaccel/_cost.py)
     replayable: bool
     random: bool
     priced: str = "formula"  # how `flops` was found: "formula", "measured" or "bound"
@@ -122,7 +121,8 @@ class Graph:
 
     RNG = 0  # storage id of the pseudo-storage random ops read and write (the generator state)
 
-    def __init__(self, flat_args: list, preserve_rng_state: bool):
+    def __init__(self, flat_args: list, preserve_rng_state: bool, cost="flops"):
+        self.cost = cost  # the cost model ops are priced with (see gradaccel.checkpoint)
         self.storages: list[Storage] = []
         self.values: list[tuple[int, int]] = []  # (storage, producer op or -1)
         self.ops: list[Op] = []
@@ -196,6 +196,7 @@ class Graph:
 
     # -- recording ---------------------------------------------------------------------------
     def record(self, func, args, kwargs, out, seconds=None) -> None:
+        """Records one op; ``seconds``: its time in this call, where measured (see Recorder)."""
         op_id = len(self.ops)
         leaves, spec = tree_flatten((args, kwargs))
         meta_only = func.overloadpacket in _METADATA_ONLY
@@ -227,10 +228,10 @@ class Graph:
             self._new_value(s, op_id)
         if random:
             self._new_value(Graph.RNG, op_id)
-        flops, priced = _flops(func, args, kwargs, out, seconds)
-        device = next((r.device for r in refs if isinstance(r, Ref)), None)
-        balance = FLOPS_PER_BYTE["cpu"] if device is None or device.type == "cpu" else FLOPS_PER_BYTE["cuda"]
-        cost = flops + balance * nbytes
+        on_cpu = all(o.device.type == "cpu" for o in out_leaves if isinstance(o, torch.Tensor))
+        flops, priced = _flops(func, args, kwargs, out, seconds if on_cpu else None)
+        device = next((r.device for r in refs if isinstance(r, Ref)), torch.device("cpu"))
+        cost = price(self.cost, OpCost(str(func), flops, nbytes, device), seconds)
         self.ops.append(Op(func, spec, refs, reads, new_storages, flops, cost, replayable, random, priced,
                            self._where()))
 
@@ -409,15 +410,11 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.paused or getattr(func, "namespace", "aten") in ("aten", "prims"):
+        measured = isinstance(self.graph.cost, str) and self.graph.cost == "measured"
+        if self.paused or (not measured and getattr(func, "namespace", "aten") in ("aten", "prims")):
             out, seconds = func(*args, **kwargs), None
-        else:  # an op with no FLOP formula: its time prices it (see _flops)
-            t0 = time.perf_counter()
-            out = func(*args, **kwargs)
-            seconds = time.perf_counter() - t0
-        if seconds is not None and any(t.device.type != "cpu" for t in tree_flatten(out)[0]
-                                       if isinstance(t, torch.Tensor)):
-            seconds = None  # a host timer does not see an asynchronous kernel
+        else:  # an op's time is its cost ("measured"), or prices an op with no FLOP formula (see _flops)
+            out, seconds = run_timed(func, args, kwargs, sync=measured)
         if not self.paused:
             self.graph.record(func, args, kwargs, out, seconds)
         return out

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 # The budget rule is gradaccel.checkpoint's own, checked here too so that a bad value fails at
 # set-up rather than in the middle of the first training step.
-from gradaccel.checkpoint import _check_budget, checkpoint
+from gradaccel.checkpoint import _check_budget, check_cost, checkpoint
 
 __all__ = ["checkpoint_blocks", "set_budget", "release"]
 
@@ -36,7 +36,8 @@ def _checkpointed_forward(self, *args, **kwargs):
         return forward(*args, **kwargs)
     # Keyword arguments go in through partial so that names such as `use_reentrant` or `budget`
     # reach the block, not checkpoint.
-    return checkpoint(functools.partial(forward, **kwargs), *args, budget=self._gradaccel_budget)
+    return checkpoint(functools.partial(forward, **kwargs), *args, budget=self._gradaccel_budget,
+                      cost=getattr(self, "_gradaccel_cost", "flops"))
 
 
 def _reduce_ex(self, protocol):
@@ -101,8 +102,8 @@ def _already_checkpointed(model, hf_models=()):
 class _HFCheckpoint:
     """The ``gradient_checkpointing_func`` handed to transformers: gradaccel.checkpoint at ``budget``."""
 
-    def __init__(self, budget):
-        self.budget = budget
+    def __init__(self, budget, cost="flops"):
+        self.budget, self.cost = budget, cost
 
     def __call__(self, function, *args, **kwargs):
         layer = None
@@ -117,7 +118,8 @@ class _HFCheckpoint:
             function = functools.partial(method, *function.args[1:], **function.keywords)
         kwargs.pop("use_reentrant", None)  # gradaccel is always non-reentrant
         # checkpoint_blocks(memory=...) gives each layer its own share, in bytes.
-        return checkpoint(function, *args, budget=getattr(layer, "_gradaccel_budget", self.budget), **kwargs)
+        return checkpoint(function, *args, budget=getattr(layer, "_gradaccel_budget", self.budget), cost=self.cost,
+                          **kwargs)
 
     def __repr__(self):
         return f"gradaccel.checkpoint(budget={self.budget!r})"
@@ -154,10 +156,10 @@ def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=N
                                            every_n_layers=every_n_layers)
 
 
-def _take_over(model, budget):
+def _take_over(model, budget, cost="flops"):
     """Makes ``model``'s HF checkpointing gradaccel's, now (keeping which layers are on, e.g.
     ``every_n_layers``) and whenever it is turned on again. Returns whether it was on."""
-    func = _HFCheckpoint(budget)
+    func = _HFCheckpoint(budget, cost)
     model._gradaccel_checkpoint = func
     if "_set_gradient_checkpointing" not in vars(model):  # ours once; another instance override is left alone
         model._set_gradient_checkpointing = types.MethodType(_set_gradient_checkpointing, model)
@@ -202,7 +204,7 @@ def set_budget(model, budget):
     n = 0
     for m in model.modules():
         if "_gradaccel_checkpoint" in vars(m):
-            _take_over(m, budget)
+            _take_over(m, budget, m._gradaccel_checkpoint.cost)
             n += 1
         elif "_gradaccel_budget" in vars(m) and getattr(type(m), "_gradaccel_subclass", None) is None:
             del m._gradaccel_budget  # an HF layer's share from memory=: the model's budget applies again
@@ -212,8 +214,8 @@ def set_budget(model, budget):
     return n
 
 
-def _hf_enable(model, budget):
-    _take_over(model, budget)
+def _hf_enable(model, budget, cost="flops"):
+    _take_over(model, budget, cost)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=model._gradaccel_checkpoint)
     # As transformers does: checkpointed blocks fed by frozen embeddings (adapters, PEFT) must
     # still see inputs that require grad, or nothing upstream of the first block gets a gradient.
@@ -293,7 +295,7 @@ def _find_blocks(model):
     return blocks
 
 
-def checkpoint_blocks(model, budget=None, block_types=None, memory=None):
+def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="flops"):
     """Checkpoint each repeated block of ``model`` in place, through ``gradaccel.checkpoint``.
 
     In training mode with grad enabled, each block's forward runs inside
@@ -341,12 +343,14 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None):
             call for an input shape, every block kind is traced on fake tensors and the total is
             split so that the whole model's recompute is least (see ``gradaccel.fit.split_memory``):
             identical blocks get equal shares, blocks that differ get what suits them.
+        cost ("flops" | "measured" | callable): the recompute cost model, as in
+            :func:`gradaccel.checkpoint`.
 
     Returns:
         nn.Module: ``model`` itself.
 
     Raises:
-        ValueError: bad ``budget`` or ``memory`` (or both given), no block found, or ``block_types``
+        ValueError: bad ``budget``, ``cost`` or ``memory`` (or both given), no block found, or ``block_types``
             given for a Hugging Face model.
         RuntimeError: ``model`` is already checkpointed.
     """
@@ -360,6 +364,7 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None):
         memory = parse_bytes(memory, "memory")
         budget = 0  # keep nothing until the first training call splits memory across the blocks
     _check_budget(budget)
+    check_cost(cost)
     if block_types is not None:
         block_types = _resolve_types(block_types)
     hf = _hf_models(model) if block_types is None or _is_hf_checkpointable(model) else []
@@ -375,8 +380,8 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None):
         for m in hf:
             # Already on (peft's prepare_model_for_kbit_training, Trainer, TRL): take over HF's
             # function in place, keeping which layers are on; else turn it on with ours.
-            if not _take_over(m, budget):
-                _hf_enable(m, budget)
+            if not _take_over(m, budget, cost):
+                _hf_enable(m, budget, cost)
             elif getattr(m, "main_input_name", None) == "input_ids" or getattr(m, "_hf_peft_config_loaded", False):
                 if not getattr(m, "_require_grads_hooks", None) and not getattr(m, "_require_grads_hook", None):
                     m.enable_input_require_grads()
@@ -397,7 +402,7 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None):
     # A module listed twice (shared weights) is still one block: swap its class once.
     for block in {id(b): b for b in blocks}.values():
         block.__class__ = _subclass_for(type(block))
-        block._gradaccel_budget = budget
+        block._gradaccel_budget, block._gradaccel_cost = budget, cost
     return _split_on_call(model, memory)
 
 

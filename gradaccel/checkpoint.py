@@ -32,14 +32,15 @@ import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
+from gradaccel._cost import OpCost, check_cost
 from gradaccel._frames import Frame, OffloadFrame, TraceFrame, store_for
-from gradaccel._plan import Plan, capture_rng, make_plan, offload_cost_per_byte, rng_bytes
+from gradaccel._plan import Plan, capture_rng, make_plan, offload_cost_per_byte, rng_state_bytes
 from gradaccel._split import active, module_stack, split_off
 from gradaccel._state import STATE
 from gradaccel._storage import storage_key
 from gradaccel._trace import DataReads, Graph, Opaque
 
-__all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans"]
+__all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans", "OpCost"]
 
 # torch.utils.checkpoint's own options, with their defaults: a call that sets one to anything
 # else runs as torch.utils.checkpoint, which implements it (warned once).
@@ -99,13 +100,13 @@ class _Region:
     def _plan(self) -> Plan:
         copy_cost = None
         if self.store is not None:
-            devices = self.graph.devices
-            copy_cost = offload_cost_per_byte(next((d for d in devices if d.type == "cuda"), torch.device("cpu")))
-        plan = make_plan(self.graph, self.budget_bytes, offload_cost_per_byte=copy_cost)
-        if plan.needs_rng:
-            # The saved generator state is held by the region too: it counts against the budget.
-            budget = max(0, plan.budget_bytes - rng_bytes(self.graph))
-            plan = make_plan(self.graph, budget, offload_cost_per_byte=copy_cost)
+            device = next((d for d in self.graph.devices if d.type == "cuda"), torch.device("cpu"))
+            copy_cost = offload_cost_per_byte(device, self.graph.cost)
+        # The saved generator state is held by the region too: it counts against the budget
+        # where replay draws random numbers (read only then: a traced device may be fake).
+        random = any(op.random and op.replayable for op in self.graph.ops)
+        plan = make_plan(self.graph, self.budget_bytes, offload_cost_per_byte=copy_cost,
+                         rng_bytes=rng_state_bytes(self.graph) if random else 0)
         if not plan.fits:
             _warn_once(("fits", self.name),
                        f"gradaccel.checkpoint: {self.name} keeps {plan.kept_bytes} bytes, over its budget of "
@@ -230,7 +231,7 @@ def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
 # -- the public API ----------------------------------------------------------------------------
 @torch._disable_dynamo
 def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentrant=None, offload=False,
-               host_budget=None, **kwargs):
+               host_budget=None, cost="flops", **kwargs):
     """Drop-in for ``torch.utils.checkpoint.checkpoint`` that keeps what fits ``budget``.
 
     Outputs and gradients equal those of ``function(*args, **kwargs)`` without checkpointing.
@@ -258,15 +259,36 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
             a side stream; backward brings them back ahead of need.
         host_budget: with ``offload``, the most bytes of host memory the store may hold
             (``None``: no bound). Past it, tensors are recomputed instead (warned once).
+        cost: what replaying an op costs, for the planner to minimise. Each op is priced once,
+            in the call that traces the region, and the price stays with the plan (``cost`` is
+            part of the plan's cache key):
+
+            - ``"flops"`` (default): a roofline estimate, the op's FLOPs (torch's formulas) plus
+              the bytes it reads and writes times the machine balance (8 FLOPs a byte on CPU,
+              100 on CUDA). Offload's copies: their measured time in the same units.
+            - ``"measured"``: the op's time in the traced call, in seconds (wall clock on CPU;
+              on CUDA, synchronised around each op, which slows that one call only). Offload's
+              copies: seconds per byte of a round trip, from measured copy speeds.
+            - a callable ``cost(op) -> float``: ``op`` is a frozen
+              :class:`gradaccel.checkpoint.OpCost` with ``name`` (``"aten.mm.default"``),
+              ``flops``, ``bytes`` (read and written) and ``device`` (of its first tensor
+              argument; CPU for an op with none). It must return a finite float ``>= 0``. With
+              ``offload``, it is also called once with ``name="gradaccel.offload"``, ``flops=0``
+              and ``bytes=2**20``: the cost of sending that many bytes to host memory and back.
+              Pass the same callable on every call (a new lambda each time traces anew).
 
     Returns:
         What ``function`` returns.
 
     Raises:
         ValueError: ``budget`` is negative, above 1.0 as a fraction, NaN, a bool or not a number;
-            ``offload`` is not a bool; ``host_budget`` is not None or an int >= 0.
+            ``offload`` is not a bool; ``host_budget`` is not None or an int >= 0; ``cost`` is
+            a string other than ``"flops"``/``"measured"``, or a callable ``cost`` returned
+            a negative, NaN, infinite or non-number value.
+        TypeError: ``cost`` is neither a string nor a hashable callable.
     """
     budget = _check_budget(budget)
+    cost = check_cost(cost)
     if not isinstance(offload, bool):
         raise ValueError(f"offload must be True or False, got {offload!r}")
     if host_budget is not None and (isinstance(host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0):
@@ -287,7 +309,7 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
     fn, args, kwargs = _unwrap(function, args, kwargs)
     flat, spec = tree_flatten((args, kwargs))
     owner, func = _owner(fn)
-    key = _signature(func, flat, spec, budget, preserve_rng_state, owner) + (offload, host_budget)
+    key = _signature(func, flat, spec, budget, preserve_rng_state, owner) + (offload, host_budget, cost)
     try:
         # A tensor's == is elementwise, so it cannot key a dict: its methods are traced every call.
         regions = {} if isinstance(owner, torch.Tensor) else STATE.regions.setdefault(owner, {})
@@ -302,7 +324,7 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
         if region.plan.externals_alive():
             return _run_planned(region, regions, key, fn, args, kwargs, flat)
     return _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state,
-                       store_for(host_budget) if offload else None)
+                       store_for(host_budget) if offload else None, cost)
 
 
 def _run_planned(region, regions, key, fn, args, kwargs, flat):
@@ -321,8 +343,8 @@ def _run_planned(region, regions, key, fn, args, kwargs, flat):
     return out
 
 
-def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store):
-    graph = Graph(flat, preserve_rng_state)
+def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store, cost):
+    graph = Graph(flat, preserve_rng_state, cost)
     devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
     rng = capture_rng(devices) if preserve_rng_state else None
     frame = TraceFrame(graph, flat, rng)
@@ -407,7 +429,8 @@ def _name(fn) -> str:
     return getattr(fn, "__qualname__", type(fn).__name__)
 
 
-def checkpoint_sequential(functions, segments, input, use_reentrant=None, *, budget=None, preserve_rng_state=True):
+def checkpoint_sequential(functions, segments, input, use_reentrant=None, *, budget=None, preserve_rng_state=True,
+                          cost="flops"):
     """Same signature and results as ``torch.utils.checkpoint.checkpoint_sequential`` (its
     positional order: ``use_reentrant`` fourth), each segment checkpointed with ``budget``
     (keyword-only; the last segment, as in torch, is not checkpointed).
@@ -416,7 +439,7 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, *, bud
         functions: an ``nn.Sequential`` or a list of modules/functions, run in order.
         segments: how many chunks to split ``functions`` into.
         input: the input of the first function.
-        use_reentrant, budget, preserve_rng_state: as for :func:`checkpoint`.
+        use_reentrant, budget, preserve_rng_state, cost: as for :func:`checkpoint`.
 
     Returns:
         The output of the last function.
@@ -428,7 +451,7 @@ def checkpoint_sequential(functions, segments, input, use_reentrant=None, *, bud
     for start in range(0, segment_size * (segments - 1), segment_size):
         end = start + segment_size - 1
         input = checkpoint(_run_segment, input, *functions[start:end + 1], budget=budget,
-                           use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state)
+                           use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state, cost=cost)
     return _run_segment(input, *functions[end + 1:])
 
 

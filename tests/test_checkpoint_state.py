@@ -299,7 +299,7 @@ def _masked(t):
 
 def test_reset_plans_clears_every_piece_of_state_and_gives_host_buffers_back(monkeypatch):
     # Copies priced as free: the planned call offloads what it drops, so the store holds buffers.
-    monkeypatch.setattr(sys.modules["gradaccel.checkpoint"], "offload_cost_per_byte", lambda device: 1e-9)
+    monkeypatch.setattr(sys.modules["gradaccel.checkpoint"], "offload_cost_per_byte", lambda device, cost: 1e-9)
     net, x = _mlp(), torch.randn(32, 8, requires_grad=True)
     with pytest.warns(UserWarning, match="use_reentrant=True"):
         for _ in range(2):  # the traced call, then one that offloads

@@ -1,0 +1,61 @@
+"""A tiny pre-norm transformer block for the tests, so that they import nothing from bench/.
+
+Attention is materialised (``q @ k^T``, causal mask, softmax, dropout, ``@ v``): the ops a real
+block saves for backward, dropout's random draws among them, which the planner must handle.
+"""
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    seq_len: int = 32
+    n_embd: int = 64
+    n_head: int = 4
+    dropout: float = 0.0
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with an explicit (B, H, T, T) attention matrix."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        c, self.n_head = cfg.n_embd, cfg.n_head
+        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+        self.attn_drop, self.resid_drop = nn.Dropout(cfg.dropout), nn.Dropout(cfg.dropout)
+        self.register_buffer("mask", torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).tril(), persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // self.n_head))
+        att = self.attn_drop(F.softmax(att.masked_fill(~self.mask[:T, :T], float("-inf")), dim=-1))
+        return self.resid_drop(self.proj((att @ v).transpose(1, 2).reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``; (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(cfg.n_embd), Attention(cfg)
+        self.ln2, self.mlp = nn.LayerNorm(cfg.n_embd), MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
