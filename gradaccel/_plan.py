@@ -260,14 +260,18 @@ def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
     # caller drops must not be held for replay (y = x + f(x) frees f's output).
     available = [s.creator < 0 or (i in packed and i not in candidates) for i, s in enumerate(storages)]
     final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
-    budget = 0 if dropped is not None else budget_bytes
     nbytes = [storages[s].nbytes for s in candidates]
     problem = _problem(graph, available, candidates, nbytes, [final[s] for s in candidates])
-    r = problem.plan(budget, rng_bytes=rng_bytes, copy_cost_per_byte=offload_cost_per_byte)
-    if dropped is not None and any(r.kept):
-        raise RuntimeError(
-            "gradaccel.checkpoint: the region writes in place to a tensor it did not create, so what it "
-            "saved for backward cannot be recomputed; use budget=0 (torch.utils.checkpoint) for this region.")
+    if dropped is not None:
+        # Nothing to choose: every candidate is dropped. (The search would keep a 0-byte one,
+        # such as the empty sentinel torch 2.11's checkpoint saves, which the call has freed.)
+        cost, steps = problem.replay([False] * len(candidates))
+        if cost == math.inf:
+            raise RuntimeError(
+                "gradaccel.checkpoint: the region writes in place to a tensor it did not create, so what it "
+                "saved for backward cannot be recomputed; use budget=0 (torch.utils.checkpoint) for this region.")
+        return _build(graph, region, available, set(), set(), steps, cost, True, True, 0)
+    r = problem.plan(budget_bytes, rng_bytes=rng_bytes, copy_cost_per_byte=offload_cost_per_byte)
     kept = {s for s, k in zip(candidates, r.kept) if k}
     offloaded = {s for s, o in zip(candidates, r.offloaded) if o}
     plan = _build(graph, region, available, kept, set(), r.fallback_steps, r.fallback_cost, r.exact, r.fits,
