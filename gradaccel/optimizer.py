@@ -161,6 +161,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         """``"mean"``, ``"items"`` or ``"sum"``: what the window gradient is divided by."""
         return self._norm.normalize
 
+    @normalize.setter
+    def normalize(self, value: str) -> None:
+        self._norm.normalize = WindowNorm(value).normalize  # checked as the constructor checks it
+
     @property
     def accum_steps(self) -> int:
         """Micro-batches per window; may be changed between windows."""
