@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["SYNC", "ShardedWindow", "local", "check_params"]
+__all__ = ["SYNC", "ShardedWindow", "WindowDropped", "as_grad", "check_params", "local"]
 
 SYNC = ("micro_batch", "window")
 # Which sync="window" optimizer turns each module's gradient sync on and off (a token of it): one
@@ -135,6 +135,8 @@ class ShardedWindow:
         module: the ``fully_shard``-ed root module; required with ``sync="window"``.
     """
 
+    sharded = True
+
     def __init__(self, params: list[torch.Tensor], sync: str, module: Any) -> None:
         from torch.distributed.fsdp import FSDPModule
         if sync not in SYNC:
@@ -238,6 +240,31 @@ class ShardedWindow:
                 unsharded.grad = None
 
     # --- the end of a window -------------------------------------------------------------------
+    def process_group(self) -> None:
+        """None: FSDP2 reduces over its own mesh (``process_group=`` is refused with DTensors)."""
+        return None
+
+    def reduce(self, flat: torch.Tensor, micro: int, accum_steps: int, norm: Any,
+               touched: list[bool]) -> tuple[int, list[bool]]:
+        """The window's end, as ``ReplicatedSync.reduce`` (``gradaccel/_sync.py``): FSDP2 has
+        reduce-scattered the buffer already, so only the counts and flags are agreed on.
+
+        Returns:
+            (1: FSDP2 already averaged over ranks, so the scale is 1/accum_steps or world/total
+            items; touched on any rank). ``norm`` gets the total items divided by the world.
+        """
+        items, touched = self.agree(micro, accum_steps, norm.items(), touched)
+        norm.set_items(items)
+        return 1, touched
+
+    def combine(self, host: list[float]) -> list[float]:
+        """The window's (sum of squares, non-finite flag, loss...) summed over all shards: every
+        rank clips alike, skips alike and logs the same loss."""
+        host = self.global_sums(host)
+        if len(host) > 2:  # each rank's loss was scaled as FSDP2's rank-averaged gradient is
+            host[2] /= self.world
+        return host
+
     def agree(self, micro: int, accum_steps: int, items: float, touched: list[bool]) -> tuple[float, list[bool]]:
         """All ranks' micro-step, accum_steps, items and touched flags; raises on divergence.
 
@@ -297,75 +324,3 @@ class ShardedWindow:
         if side is None:
             raise RuntimeError("FusedAccumOptimizer: its process group was destroyed; build a new optimizer")
         return side
-
-
-# --- state dicts for torch.distributed.checkpoint (DCP) ------------------------------------------
-# DCP saves a plain tensor once, as replicated, and loads in place into a template state dict.
-# So the per-rank window buffer travels as one DTensor per parameter (sharded like it), and the
-# inner optimizer's state has an entry for every parameter even before its first update.
-
-def inner_state_dict(optimizer: torch.optim.Optimizer,
-                     targets: list[torch.Tensor]) -> tuple[dict, torch.Tensor]:
-    """``optimizer.state_dict()`` with an entry for every one of ``targets`` (the trainable
-    parameters, or their fp32 masters, which do not require grad); and a bool tensor,
-    one per parameter, marking the entries made up for that (the optimizer had no state for them).
-    A tensor of fixed length, not a list of indices: DCP loads into a template by key.
-
-    The made-up entries come from a step with zero gradients at lr 0 (what
-    ``torch.distributed.checkpoint.state_dict`` does for a fresh optimizer), taken out of
-    ``optimizer.state`` again, so this has no effect on training; load drops them.
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    trainable = {id(t) for t in targets}
-    unset = [i for i, p in enumerate(params) if id(p) in trainable and p not in optimizer.state]
-    mask = torch.zeros(len(params), dtype=torch.bool)
-    mask[unset] = True
-    if not unset:
-        return optimizer.state_dict(), mask
-    grads = [p.grad for p in params]
-    lrs = [group.get("lr") for group in optimizer.param_groups]
-    try:
-        for i, p in enumerate(params):
-            p.grad = torch.zeros_like(p) if i in unset else None
-        for group in optimizer.param_groups:
-            if "lr" in group:
-                group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
-        optimizer.step()
-        sd = optimizer.state_dict()
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-        for group, lr in zip(optimizer.param_groups, lrs):
-            if lr is not None:
-                group["lr"] = lr
-        for i in unset:
-            optimizer.state.pop(params[i], None)
-    return sd, mask
-
-
-def items_dtensor(items: float, like: torch.Tensor) -> torch.Tensor:
-    """This rank's item count so far in the window, as its element of a DTensor over ``like``'s
-    mesh: DCP would save a plain value once, from one rank, and each rank counts its own."""
-    return DTensor.from_local(torch.tensor([items], dtype=torch.float64), like.device_mesh, [Shard(0)],
-                              run_check=False)
-
-
-def window_dtensors(flat: torch.Tensor, offsets: list[int], params: list[torch.Tensor], copy: bool) -> list:
-    """The row-major window buffer ``flat`` as one fp32 DTensor per parameter, sharded like it."""
-    out = []
-    for o, p in zip(offsets, params):
-        shard = flat[o: o + local(p).numel()].view(local(p).shape)
-        out.append(as_grad(shard.clone() if copy else shard, p))
-    return out
-
-
-def window_flat(window: list, params: list[torch.Tensor]) -> torch.Tensor:
-    """:func:`window_dtensors` back to this rank's row-major flat buffer."""
-    if not isinstance(window, (list, tuple)) or len(window) != len(params):
-        raise ValueError("state_dict was saved for different parameters (or without fully_shard)")
-    for w, p in zip(window, params):
-        if local(w).shape != local(p).shape:
-            raise ValueError(f"state_dict holds a window shard of shape {tuple(local(w).shape)} for a "
-                             f"parameter whose shard here is {tuple(local(p).shape)}; load it through "
-                             "torch.distributed.checkpoint, which reshards DTensors")
-    return torch.cat([local(w).reshape(-1).float() for w in window]) if window else torch.zeros(0)

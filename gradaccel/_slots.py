@@ -4,6 +4,7 @@ A post-accumulate-grad hook on each parameter folds its gradient into the parame
 soon as autograd has produced it, then frees ``param.grad``. Which parameters got a gradient in
 the current window is told by a stamp per parameter against a shared micro-step clock, so the
 buffer is never zeroed as a whole: a parameter's first gradient of a window overwrites its slice.
+How the slices are laid out is in ``gradaccel/_flat.py``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradaccel import ops
-from gradaccel._sharded import local
+from gradaccel import _flat, ops
+from gradaccel._sharded import as_grad, local
 
 # Which GradSlots folds each parameter, without writing onto the user's Parameters. By identity:
 # a WeakKeyDictionary would compare tensors with ==, elementwise.
@@ -47,31 +48,6 @@ def _check_live(view: torch.Tensor) -> None:
     into freed memory."""
     if view.numel() and not view.untyped_storage().nbytes():
         raise RuntimeError(RELEASED)
-
-
-def _slice_like(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
-    """``p``'s slice of ``flat``, shaped like ``p`` and, as autograd lays out a gradient, with
-    ``p``'s strides when ``p`` is dense (channels_last, transposed), else row-major. Optimizers,
-    fused ones most of all, expect ``.grad`` laid out like its parameter."""
-    n = p.numel()
-    if n == 0 or p.is_contiguous() or not _dense(p):
-        return flat[offset: offset + n].view(p.shape)
-    return flat.as_strided(p.shape, p.stride(), offset)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Its elements fill ``numel`` consecutive slots, each once (a permutation of row-major)."""
-    expected = 1
-    for d in reversed(_memory_order(t)):
-        if t.size(d) != 1 and t.stride(d) != expected:
-            return False
-        expected *= t.size(d)
-    return True
-
-
-def _memory_order(view: torch.Tensor) -> list[int]:
-    """Dimensions from the largest stride to the smallest: ``view.permute(order)`` is row-major."""
-    return sorted(range(view.dim()), key=lambda d: (-view.stride(d), -view.size(d)))
 
 
 def _make_hook(views: list, stamps: list, clock: list, i: int) -> Callable[[torch.Tensor], None]:
@@ -105,7 +81,8 @@ class GradSlots:
     """Parameters, their fp32 slices of one flat buffer, their hooks and (optional) masters.
 
     ``targets[i]`` is what the inner optimizer updates for ``params[i]``: the parameter itself,
-    or its fp32 master when ``master_weights`` and the parameter is bf16/fp16.
+    or its fp32 master when ``master_weights`` and the parameter is bf16/fp16. The optimizer
+    drives it through the methods below, each named for what it does to the window.
     """
 
     def __init__(self, master_weights: bool) -> None:
@@ -131,7 +108,7 @@ class GradSlots:
         """Hooks new parameters; returns what the inner group must hold instead (masters).
 
         ``state`` is the inner optimizer's state: what it holds for a parameter moves to the
-        parameter's master. Call :meth:`grow` afterwards; :meth:`forget_after` undoes.
+        parameter's master. Call :meth:`grow` afterwards; :meth:`forget_since` undoes.
         """
         device = self.params[0].device if self.params else None
         out = []
@@ -177,8 +154,13 @@ class GradSlots:
             out.append(target)
         return out
 
-    def forget_after(self, n_params: int, n_frozen: int) -> None:
-        """Undoes the adoptions after the first ``n_params`` (and ``n_frozen`` frozen) ones."""
+    def mark(self) -> tuple[int, int]:
+        """How many parameters (trainable, frozen) are adopted now: for :meth:`forget_since`."""
+        return len(self.params), len(self.frozen)
+
+    def forget_since(self, mark: tuple[int, int]) -> None:
+        """Undoes the adoptions made since :meth:`mark` returned ``mark``, hooks included."""
+        n_params, n_frozen = mark
         for h in self._handles[n_params:]:
             h.remove()
         for p in self.params[n_params:]:
@@ -201,31 +183,13 @@ class GradSlots:
             flat[: old.numel()].copy_(old)
         self.flat, self.offsets = flat, offsets
         # In place: the hooks hold this very list.
-        self.views[:] = [_slice_like(flat, o, local(p)) for o, p in zip(offsets, self.params)]
+        self.views[:] = [_flat.slice_like(flat, o, local(p)) for o, p in zip(offsets, self.params)]
         # A grad permuted this way flattens in its slice's memory order (what fold_ writes).
-        self._memory_order = [_memory_order(v) for v in self.views]
+        self._memory_order = [_flat.memory_order(v) for v in self.views]
         self._rowmajor = all(v.is_contiguous() for v in self.views)  # state dicts copy as they are
 
-    def rowmajor(self, copy: bool) -> torch.Tensor:
-        """The buffer with every slice in its parameter's row-major order: what a state dict
-        holds, so that it loads into a model of another memory layout. A copy if ``copy``, or
-        if a slice is laid out otherwise."""
-        if self._rowmajor:
-            return self.flat.clone() if copy else self.flat
-        out = torch.empty_like(self.flat)
-        for o, v in zip(self.offsets, self.views):
-            out[o: o + v.numel()].view(v.shape).copy_(v)
-        return out
-
-    def load_rowmajor(self, flat: torch.Tensor) -> None:
-        """Fills the buffer from :meth:`rowmajor`'s layout."""
-        if self._rowmajor:
-            self.flat.copy_(flat)
-            return
-        for o, v in zip(self.offsets, self.views):
-            v.copy_(flat[o: o + v.numel()].view(v.shape))
-
     def remove_hooks(self) -> None:
+        """Removes the fold hooks from every parameter (the wrapper is going)."""
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -236,7 +200,16 @@ class GradSlots:
         except Exception:  # interpreter shutdown: nothing left to clean
             pass
 
-    # --- the window -----------------------------------------------------------------------------
+    # --- .grad on the parameters ----------------------------------------------------------------
+    def clear_grads(self, set_to_none: bool = True) -> None:
+        """Clears ``.grad`` left on the parameters (set to None, or zeroed in place)."""
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
     def fold_leftovers(self) -> None:
         """Folds grads that did not come through a hook (set by hand, or unfrozen later)."""
         now, start = self.clock
@@ -268,6 +241,7 @@ class GradSlots:
                                    "when the optimizer was built now has a gradient; build the "
                                    "optimizer after changing requires_grad")
 
+    # --- the window -----------------------------------------------------------------------------
     def tick(self) -> None:
         """Ends a micro-batch: later gradients belong to the next one."""
         self.clock[0] += 1
@@ -283,12 +257,79 @@ class GradSlots:
                 v.zero_()
 
     def start_window(self) -> None:
+        """Starts a new window: what was folded so far belongs to none."""
         self.clock[1] = self.clock[0]
+
+    def discard_window(self) -> None:
+        """Drops the window in progress: ``.grad`` left on the parameters and every fold so far."""
+        self.clear_grads()
+        self.tick()  # what was folded so far belongs to no window
+        self.start_window()
 
     def restart(self, micro: int, touched: list[bool]) -> None:
         """Resumes a window ``micro`` micro-batches in, in which ``touched`` parameters got grads."""
         self.clock[:] = [micro, 0]
         self.stamps[:] = [0 if t else -1 for t in touched]
+
+    def finalize(self, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales the whole buffer in one pass; returns (sum of squares, non-finite flag), 0-d."""
+        return ops.finalize_(self.flat, scale)
+
+    def scale_(self, coef: float) -> None:
+        """Multiplies the window gradient by ``coef`` (clipping)."""
+        self.flat.mul_(coef)
+
+    # --- the update -----------------------------------------------------------------------------
+    def lend_grads(self, touched: list[bool]) -> None:
+        """Gives each target touched this window its window gradient as ``.grad``.
+
+        fp32 targets get views into the buffer. A bf16/fp16 parameter without a master gets the
+        gradient rounded to its dtype in the first half of its own slice, not in a copy: the
+        buffer's fp32 values of those slices are lost, so call this once, when the window is
+        over. A parameter with no gradient in the whole window keeps ``.grad`` None, as in stock
+        PyTorch, so the inner optimizer skips it (no decay, no momentum).
+        """
+        for t, q, v, o in zip(touched, self.targets, self.views, self.offsets):
+            if not t:
+                continue
+            g = v if q.dtype == torch.float32 else _flat.narrow_in_place(self.flat, o, v, q.dtype)
+            if g.stride() != q.stride():  # re-laid out since adoption (model.to(channels_last))
+                g = torch.empty_like(local(q)).copy_(g)  # fused kernels pair elements by memory
+            q.grad = as_grad(g, q)
+
+    def take_grads_back(self) -> None:
+        """Sets the targets' ``.grad`` back to None: they alias the buffer, and nothing but the
+        buffer is held between windows."""
+        for q in self.targets:
+            q.grad = None
+
+    # --- save and load --------------------------------------------------------------------------
+    def rowmajor(self, copy: bool) -> torch.Tensor:
+        """The buffer with every slice in its parameter's row-major order: what a state dict
+        holds, so that it loads into a model of another memory layout. A copy if ``copy``, or
+        if a slice is laid out otherwise."""
+        if self._rowmajor:
+            return self.flat.clone() if copy else self.flat
+        return _flat.to_rowmajor(self.flat, self.offsets, self.views)
+
+    def load_rowmajor(self, flat: torch.Tensor) -> None:
+        """Fills the buffer from :meth:`rowmajor`'s layout."""
+        if self._rowmajor:
+            self.flat.copy_(flat)
+        else:
+            _flat.from_rowmajor(self.views, self.offsets, flat)
+
+    def masters(self) -> list[torch.Tensor | None]:
+        """Per parameter: its fp32 master, or None where the optimizer updates the parameter."""
+        return [t if t is not p else None for p, t in zip(self.params, self.targets)]
+
+    def load_masters(self, masters: list[torch.Tensor | None]) -> None:
+        """Copies saved masters (:meth:`masters`) in, and rounds each into its parameter."""
+        for p, t, m in zip(self.params, self.targets, masters):
+            if m is not None:
+                t.copy_(m)
+                p.copy_(t)
+        self.note_versions()
 
     # --- fp32 masters ---------------------------------------------------------------------------
     def sync_masters(self) -> None:

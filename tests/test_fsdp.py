@@ -287,6 +287,32 @@ def _bf16_masters(rank):
         assert (_full(m) - q).abs().max() <= 2e-2 * q.abs().max() + 1e-3
 
 
+def _bf16_without_masters(rank):
+    # bf16 DTensor parameters without masters: each gets its window gradient rounded to bf16 in its
+    # own slice of this rank's buffer (no copy), as a DTensor sharded like it. The update is then
+    # stock SGD's on this rank's shard with the rounded fp32 mean, bit for bit.
+    model, _ = _pair()
+    model.to(torch.bfloat16)
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    ids = _tokens(WORLD * 2 * 2, 0)
+    for k in range(2):
+        start = (rank * 2 + k) * 2
+        _lm_loss(model, ids[start: start + 2]).backward()
+        if k == 0:
+            assert opt.step() is False
+    flat, offset, ref = opt.grad_buffer.clone(), 0, []
+    for p in model.parameters():  # the buffer holds this rank's shards, in parameter order
+        shard = p.to_local()
+        q = shard.detach().clone().requires_grad_()
+        q.grad = (flat[offset: offset + shard.numel()] * 0.5).to(torch.bfloat16).view(shard.shape)
+        offset += shard.numel()
+        ref.append(q)
+    assert opt.step() is True
+    torch.optim.SGD(ref, lr=0.1).step()
+    for p, q in zip(model.parameters(), ref):
+        assert p.dtype == torch.bfloat16 and torch.equal(p.to_local(), q)
+
+
 def _nan_on_one_rank(rank):
     model, _ = _pair()
     poison = {"on": False}
@@ -613,6 +639,7 @@ SCENARIOS = {
     "clip_before_step": _clip_before_step,
     "bf16_accumulation": _bf16_accumulation,
     "bf16_masters": _bf16_masters,
+    "bf16_without_masters": _bf16_without_masters,
     "nan_on_one_rank": _nan_on_one_rank,
     "dcp_resume": _dcp_resume,
     "dcp_masters_items": _dcp_masters_items,

@@ -114,3 +114,29 @@ def test_layout_changed_after_wrapping_and_state_dict_across_layouts():
         # the wrong order would scramble elements, an error of the size of the update itself.
         torch.testing.assert_close(a.weight, b.weight, rtol=1e-5, atol=1e-6)
         assert not torch.allclose(a.weight, conv(src_layout).weight, rtol=1e-3, atol=1e-4)  # it moved
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, channels_last, head", [
+    ((1,), False, 7), ((17,), False, 7), ((4099,), False, 7), ((2 ** 16 + 3,), False, 1000),
+    ((2 ** 16 + 3,), False, None), ((3, 5, 7, 9), True, 7)])
+def test_narrow_in_place_rounds_like_to_and_leaves_the_neighbours(dtype, shape, channels_last, head, monkeypatch):
+    # The rounding a bf16/fp16 parameter without a master gets at the update, written into its own
+    # slice: the same values as view.to(dtype) (the same cast), laid out like the view, and the
+    # slices on either side untouched, however many in-place copies the slice takes.
+    from gradaccel import _flat
+    if head is not None:
+        monkeypatch.setattr(_flat, "NARROW_HEAD", head)
+    p = torch.empty(shape)
+    if channels_last:
+        p = p.to(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(len(shape))
+    flat = torch.randn(5 + p.numel() + 6, generator=g) * 1e3
+    flat[7] = 1e6  # past fp16's range: rounds to inf, as .to does
+    view = _flat.slice_like(flat, 5, p)
+    assert view.stride() == p.stride()
+    expected, before = view.to(dtype), flat.clone()
+    out = _flat.narrow_in_place(flat, 5, view, dtype)
+    assert out.dtype == dtype and out.stride() == p.stride() and torch.equal(out, expected)
+    assert out.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert torch.equal(flat[:5], before[:5]) and torch.equal(flat[5 + p.numel():], before[5 + p.numel():])
