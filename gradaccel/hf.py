@@ -47,9 +47,8 @@ def enable(target: Any, budget: None | float | int = None) -> Any:
 
     Args:
         target: a ``transformers.Trainer`` (any subclass) or an ``accelerate.Accelerator``.
-        budget: the checkpoint budget per layer, as in ``gradaccel.checkpoint``: ``None``/``0.0``
-            keeps nothing (the memory of HF's checkpointing), a float in ``(0, 1]`` the fraction
-            of a layer's activation bytes that may be kept, an int that many bytes. It applies
+        budget: the checkpoint budget per layer, as :func:`gradaccel.checkpoint` defines it
+            (``None`` keeps nothing: the memory of HF's checkpointing). It applies
             where HF gradient checkpointing is (or later gets) turned on; with it off, a budget
             other than None is warned about. A model that ``checkpoint_blocks`` already
             checkpoints keeps its budget (``gradaccel.blocks.set_budget`` changes it).
