@@ -135,6 +135,7 @@ class Fit:
     slack: int = 0
     fits: bool = True
     suggestions: list = dataclasses.field(default_factory=list)
+    host: dict = dataclasses.field(default_factory=dict)  # bytes held in host memory, not in ``peak``
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
         """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
@@ -168,6 +169,8 @@ class Fit:
             lines.append(f"{name:<44} {format_bytes(value):>12}")
         lines.append(f"{'predicted peak (at ' + str(self.phase) + ')':<44} {format_bytes(self.peak):>12}")
         lines.append(f"{'allocator slack (reserved, not measured)':<44} {format_bytes(self.slack):>12}")
+        for name, value in self.host.items():
+            lines.append(f"{'host: ' + name:<44} {format_bytes(value):>12}")
         if self.memory is not None:
             lines.append(f"{'target':<44} {format_bytes(self.memory):>12}")
         for s in self.suggestions:
@@ -205,6 +208,9 @@ class Planner:
 
     def profile(self, seq, micro_batch) -> Profile:
         if (seq, micro_batch) not in self.profiles:
+            if any(getattr(p, "quant_state", None) is not None for p in self.model.parameters()):
+                raise ValueError("model holds bitsandbytes 4-bit weights, which cannot be copied onto fake tensors: "
+                                 "plan the model before quantising it, with load_in_4bit=True")
             vocab = getattr(getattr(self.profiled, "config", None), "vocab_size", 2)
             ids = torch.zeros(micro_batch, seq, dtype=torch.long).random_(0, vocab)
             self.profiles[(seq, micro_batch)] = Profile(self.profiled, hf_step, {"input_ids": ids, "labels": ids})
@@ -295,9 +301,10 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, chosen, exact=True) -> Fi
     else:
         parts["optimizer update working set"] = st.step
         phase = "optimizer step"
+    host = {"optimizer state, paged (bitsandbytes)": st.paged} if st.paged else {}
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,
-               sum(p.flops for p in points), (batch // micro_batch) * (base + recompute))
+               sum(p.flops for p in points), (batch // micro_batch) * (base + recompute), host=host)
 
 
 def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
@@ -367,9 +374,15 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
             run), a preset name (``gradaccel.fit.PRESETS``), a config.json path or a config.
         seq: tokens per sequence. batch: sequences per optimizer step (the effective batch).
         memory: the device's memory for this process: bytes or a string such as "24GiB".
-        optim: "adamw" (torch's fused AdamW), "adamw8bit" (bitsandbytes), "sgd", or an optimizer.
+        optim: "adamw" (torch's fused AdamW), "adamw8bit" or "paged_adamw8bit" (bitsandbytes),
+            "sgd", or an optimizer (its class is stepped once on fake tensors and its state
+            measured; bitsandbytes' too). Paged state (bitsandbytes puts tensors of 100k values
+            or more in unified memory on CUDA) is reported apart, in ``host``: it is not in
+            the device peak, as the driver moves it to host memory when the device is short.
         lora: LoRA rank on every linear layer of the blocks (models built from a config).
-        load_in_4bit: frozen block weights stored as nf4 (bitsandbytes, double quantisation).
+        load_in_4bit: frozen block weights stored as nf4 (bitsandbytes, double quantisation),
+            sized by bitsandbytes' own quantisation run on fake tensors. A module already
+            quantised has its real storage counted but cannot be profiled: plan it before.
         dtype: weights' dtype for a model built from a config.
         master_weights: fp32 master copies of bf16/fp16 parameters (FusedAccumOptimizer).
         slack: bytes to leave for the allocator (rounding, fragmentation, CUDA context);

@@ -3,6 +3,7 @@ on CPU, the memory split across blocks, the fit itself and its command line."""
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -227,3 +228,75 @@ def test_cli_on_a_config_file(tmp_path, capsys):
     assert planner.layout == [0, 1, 1, 1]
     full = Planner(gradaccel.fit.fake_model(gradaccel.fit.load_config(str(path)), lora=4))
     assert planner.estimate(128, 1, 0.5).peak == full.estimate(128, 1, 0.5).peak
+
+
+def _quantize_blocks(model):
+    """The frozen linear layers of the blocks as bitsandbytes nf4 (double quantisation), as
+    QLoRA loads them; quantised on CPU by ``.to("cpu")``."""
+    bnb = pytest.importorskip("bitsandbytes")
+    for block in gradaccel.fit.find_blocks(model):
+        for mod in list(block.modules()):
+            for name, child in list(mod.named_children()):
+                if type(child) is torch.nn.Linear and not child.weight.requires_grad:
+                    q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          compute_dtype=child.weight.dtype, quant_type="nf4", compress_statistics=True)
+                    q.weight = bnb.nn.Params4bit(child.weight.data.clone(), requires_grad=False, quant_type="nf4",
+                                                 compress_statistics=True)
+                    setattr(mod, name, q.to("cpu"))
+    return model
+
+
+def test_bitsandbytes_state_and_4bit_weights_measured():
+    """bitsandbytes runs 8-bit AdamW and nf4 on CPU (paged falls back to unpaged there): the
+    predicted weights and optimizer state equal a real QLoRA model's bytes, and its whole peak
+    is within 10%."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import copy
+
+    gradaccel.reset_plans()
+    shape = SHAPES[2]
+    # Full fine-tuning: 8-bit state on tensors of 4096 values or more, fp32 below, shared code books.
+    model = _model(shape)
+    for optim, cls in (("adamw8bit", bnb.optim.AdamW8bit), ("paged_adamw8bit", bnb.optim.PagedAdamW8bit)):
+        real_opt = cls(model.parameters())
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # paged falls back to unpaged on CPU
+            real_opt.step()
+        static = gradaccel._fitparts.static_parts(model, optim)
+        assert static.state == gradaccel.memory.optimizer_state_bytes(real_opt)
+        assert static.paged == 0  # every tensor of these models is under bnb's paging size
+        # The same from the instance, before it has state.
+        assert gradaccel._fitparts.static_parts(model, cls(model.parameters())).state == static.state
+    model.zero_grad(set_to_none=True)
+    # On CUDA bnb pages the state of tensors of 1e5 values or more: reported as host bytes.
+    big = torch.nn.Linear(400, 300, bias=False)
+    paged = gradaccel._fitparts.static_parts(big, "paged_adamw8bit")
+    assert paged.paged == 2 * 120000 and paged.state == 8 * math.ceil(120000 / 256) + 2 * 1024
+    assert gradaccel._fitparts.static_parts(big, "adamw8bit").state == paged.state + paged.paged
+    optim, cls = "adamw8bit", bnb.optim.AdamW8bit
+    # QLoRA: the plan is made on the model before quantisation, with load_in_4bit.
+    lora = _model(shape, lora=True)
+    gradaccel.checkpoint_blocks(lora, budget=1)
+    lora.train()
+    planner = Planner(lora, optim=optim, load_in_4bit=True)
+    quantised = _quantize_blocks(copy.deepcopy(lora))
+    qparams = list(quantised.parameters())
+    real_weights = gradaccel.memory.storage_bytes(
+        qparams + list(quantised.buffers())
+        + [t for p in qparams if hasattr(p, "quant_state") for t in gradaccel._fitparts._quant_state_tensors(p.quant_state)])
+    assert planner.static.weights == real_weights
+    assert Planner(quantised, optim=optim).static.weights == real_weights  # an already quantised module
+    with pytest.raises(ValueError, match="load_in_4bit"):
+        Planner(quantised).profile(32, 1)
+    prof = planner.profile(32, 2)
+    budgets = [max(1, int(0.3 * prof.kind_of[i].graph.activation_bytes)) for i in range(len(prof.blocks))]
+    predicted = planner.estimate(32, 2, budgets)
+    for block, b in zip(gradaccel.fit.find_blocks(quantised), budgets):
+        block._gradaccel_budget = b
+    opt = gradaccel.FusedAccumOptimizer(cls([p for p in quantised.parameters() if p.requires_grad]), 1)
+    real = measured_peak(quantised, opt, hf_step, _batch(shape, 2, 32))
+    assert predicted.parts["optimizer state"] == gradaccel.memory.optimizer_state_bytes(opt)
+    # The prediction runs bf16/fp32 linears where bnb dequantises: it adds one dequantised weight.
+    assert abs(predicted.peak / real - 1) <= 0.10, (predicted.peak, real)
