@@ -136,6 +136,8 @@ class Fit:
     fits: bool = True
     suggestions: list = dataclasses.field(default_factory=list)
     host: dict = dataclasses.field(default_factory=dict)  # bytes held in host memory, not in ``peak``
+    offload: bool = False  # the blocks run gradaccel.checkpoint(..., offload=True)
+    options: list = dataclasses.field(default_factory=list)  # other plans worth knowing (Fit each)
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
         """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
@@ -144,6 +146,10 @@ class Fit:
         from gradaccel.blocks import checkpoint_blocks
         from gradaccel.optimizer import FusedAccumOptimizer
 
+        if self.offload:
+            raise ValueError("this plan offloads (offload=True), which checkpoint_blocks cannot apply yet: call "
+                             "gradaccel.checkpoint(block, *args, budget=b, offload=True) per block with b from "
+                             "budgets, or apply the main plan (the Fit that lists this one in options)")
         checkpoint_blocks(model, budget=1)
         blocks = find_blocks(model)
         if len(blocks) != len(self.budgets):
@@ -174,8 +180,16 @@ class Fit:
         if self.memory is not None:
             lines.append(f"{'target':<44} {format_bytes(self.memory):>12}")
         for s in self.suggestions:
-            lines.append(f"would fit: {s}")
+            lines.append(f"advice: {s}")
+        for o in self.options:
+            lines.append(f"option: {o.summary()}")
         return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line: micro-batch, offload, predicted device peak, host bytes and step time."""
+        host = sum(self.host.values())
+        return (f"micro-batch {self.micro_batch} x {self.accum_steps}{', offload=True' if self.offload else ''}: "
+                f"device peak {format_bytes(self.peak)}, host {format_bytes(host)}, step time {self.time:.2f}x")
 
 
 class Planner:
@@ -235,7 +249,7 @@ class Planner:
             out["peak"] += self._largest_linear(prof)
         return out
 
-    def estimate(self, seq: int, micro_batch: int, budget=None) -> Fit:
+    def estimate(self, seq: int, micro_batch: int, budget=None, offload=False) -> Fit:
         """See :func:`estimate`."""
         prof = self.profile(seq, micro_batch)
         chosen = {}
@@ -243,7 +257,7 @@ class Planner:
             b = budget if not isinstance(budget, (list, tuple)) else budget[kind.blocks[0]]
             if b is None or isinstance(b, float):
                 b = max(1, int((b or 0.0) * kind.graph.activation_bytes))
-            chosen[id(kind)] = kind.plan_at(b)
+            chosen[id(kind)] = kind.offload_at(b) if offload else kind.plan_at(b)
         return _evaluate(self, seq, micro_batch, micro_batch, chosen)
 
     def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None) -> Fit:
@@ -269,10 +283,22 @@ class Planner:
             least = min(r.step_cost for r in results)
             best = max((r for r in results if r.step_cost <= least * 1.005), key=lambda r: r.micro_batch)
             best.memory, best.slack = memory, slack
+            # Offload: what the budget leaves out goes to host memory where copying beats
+            # recomputing; faster at the same device memory, or not at all (its own micro-batches:
+            # offload never lowers the floor of a plan that keeps nothing).
+            offloaded = [r for r in (_best_for(setup, seq, x.micro_batch, batch, usable, offload=True)
+                                     for x in results) if r is not None and r.offload]
+            if offloaded:
+                off = min(offloaded, key=lambda r: r.step_cost)
+                if off.step_cost < best.step_cost * 0.995:
+                    off.memory, off.slack = memory, slack
+                    best.options.append(off)
             return best
-        worst = _evaluate(setup, seq, 1, batch, {id(k): k.frontier[0] for k, _ in setup.kinds(setup.profile(seq, 1))})
+        kinds = setup.kinds(setup.profile(seq, 1))
+        worst = _evaluate(setup, seq, 1, batch, {id(k): k.frontier[0] for k, _ in kinds})
         worst.memory, worst.slack, worst.fits = memory, slack, False
-        worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit)
+        offload = _evaluate(setup, seq, 1, batch, {id(k): k.offload_frontier[0] for k, _ in kinds})
+        worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
         return worst
 
     def _largest_linear(self, prof) -> int:
@@ -302,9 +328,13 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, chosen, exact=True) -> Fi
         parts["optimizer update working set"] = st.step
         phase = "optimizer step"
     host = {"optimizer state, paged (bitsandbytes)": st.paged} if st.paged else {}
+    offloaded = sum(p.host for p in points)
+    if offloaded:
+        host["activations offloaded by the blocks"] = offloaded
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,
-               sum(p.flops for p in points), (batch // micro_batch) * (base + recompute), host=host)
+               sum(p.flops for p in points), (batch // micro_batch) * (base + recompute), host=host,
+               offload=bool(offloaded))
 
 
 def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
@@ -326,20 +356,22 @@ def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", l
     return Planner(model, optim, lora, load_in_4bit, dtype, master_weights).estimate(seq, micro_batch, budget)
 
 
-def _best_for(setup: Planner, seq, micro_batch, batch, usable) -> Fit | None:
-    """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes."""
+def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False) -> Fit | None:
+    """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes (with
+    ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``)."""
     prof = setup.profile(seq, micro_batch)
     kinds = setup.kinds(prof)
-    least = {id(k): k.frontier[0] for k, _ in kinds}
+    front = {id(k): (k.offload_frontier if offload else k.frontier) for k, _ in kinds}
+    least = {id(k): front[id(k)][0] for k, _ in kinds}
     lo_fit = _evaluate(setup, seq, micro_batch, batch, least, exact=False)
     if lo_fit.peak > usable:
         return None
 
     def split(m):
-        pts = split_memory([(k.frontier, n) for k, n in kinds], m)
+        pts = split_memory([(front[id(k)], n) for k, n in kinds], m)
         return {id(k): p for (k, _), p in zip(kinds, pts)}
 
-    hi = sum(k.frontier[-1].kept * n for k, n in kinds)
+    hi = sum(front[id(k)][-1].kept * n for k, n in kinds)
     lo, best = 0, least
     for _ in range(14):  # the most memory the blocks may keep (estimated), by bisection
         if hi - lo <= max(1, hi // 1000):
@@ -391,14 +423,20 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
 
     Returns:
         Fit: micro-batch, accumulation steps, per-block budgets, predicted peak with its parts
-        and step time; ``fits`` False (with ``suggestions``) when nothing fits.
+        and step time; ``fits`` False (with ``suggestions``) when nothing fits. ``options``
+        holds the fastest plan with offload (``gradaccel.checkpoint(..., offload=True)``: the
+        checkpoint's own planner chooses, per block, what goes to host memory where copying
+        beats recomputing) when it is faster within the same memory, with its device peak
+        and, in ``host``, its host bytes. Its device peak is measured as the others are, on
+        fake tensors with a store that keeps host copies off the device.
     """
     planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights)
     return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)
 
 
-def _suggest(setup, worst, usable, lora, load_in_4bit) -> list:
-    """What would fit, from the parts of the smallest configuration (micro-batch 1, nothing kept)."""
+def _suggest(setup, worst, usable, lora, load_in_4bit, offload=None) -> list:
+    """What would fit, from the parts of the smallest configuration (micro-batch 1, nothing kept);
+    ``offload``: the plan of micro-batch 1 that offloads most (its figures are reported)."""
     st, out = setup.static, []
     act = worst.peak - st.total
     need = worst.peak - usable
@@ -410,13 +448,19 @@ def _suggest(setup, worst, usable, lora, load_in_4bit) -> list:
         out.append(("LoRA (--lora 16): optimizer state and buffer for adapters only",
                     st.weights + act + st.step // 100 < usable))
     out.append(("a sequence half as long (activations about halve)", st.total + act // 2 < usable))
-    out.append(("offload activations to host (checkpoint(..., offload=True))", st.total + act // 3 < usable))
     for n in (2, 4, 8, 16, 32):
         if st.total // n + act < usable:
             out.append((f"FSDP2 over {n} GPUs (weights, buffer and state sharded)", True))
             break
-    return [f"{name} (short by {format_bytes(need)})" if not ok else name for name, ok in out if ok] or \
-        [f"nothing listed: short by {format_bytes(need)}"]
+    lines = [name for name, ok in out if ok] or [f"nothing listed: short by {format_bytes(need)}"]
+    if offload is not None:
+        # Offload moves what a block would keep to host memory; it cannot lower the floor of a
+        # plan that keeps nothing (block inputs, activations outside the blocks), so say so.
+        host = sum(offload.host.values())
+        lines.append(f"not offload (checkpoint(..., offload=True)): at micro-batch 1 it would send "
+                     f"{format_bytes(host)} to host memory, for a device peak of {format_bytes(offload.peak)} "
+                     f"against {format_bytes(worst.peak)} keeping nothing; the floor stays")
+    return lines
 
 
 # -- command line ---------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """gradaccel.fit: predicted peaks against the real peak of live tensor bytes of training steps
 on CPU, the memory split across blocks, the fit itself and its command line."""
 
+import functools
 import json
 import math
+import sys
 import warnings
 
 import pytest
@@ -300,3 +302,61 @@ def test_bitsandbytes_state_and_4bit_weights_measured():
     assert predicted.parts["optimizer state"] == gradaccel.memory.optimizer_state_bytes(opt)
     # The prediction runs bf16/fp32 linears where bnb dequantises: it adds one dequantised weight.
     assert abs(predicted.peak / real - 1) <= 0.10, (predicted.peak, real)
+
+
+def _checkpoint_with(model, budgets, offload):
+    """The blocks through HF's checkpointing hook, each at its budget, with or without offload."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for block, b in zip(gradaccel.fit.find_blocks(model), budgets):
+        block._gradient_checkpointing_func = functools.partial(gradaccel.checkpoint, budget=b, offload=offload)
+    return model
+
+
+def test_offload_predicted_and_proposed(monkeypatch):
+    """Plans with offload=True: device peak predicted against the real peak (live bytes, CPU),
+    host bytes against the store's; the fit proposes the offload plan when it is faster at the
+    same memory, and says what offload does when nothing fits."""
+    from gradaccel._frames import store_for
+
+    # The copy's cost is measured per process from this machine's bandwidth, which a busy CI box
+    # makes vary: pinned (for the checkpoint and the fit alike) so that offload pays here.
+    cheap = lambda device: 4.0  # noqa: E731
+    monkeypatch.setattr(sys.modules["gradaccel.checkpoint"], "offload_cost_per_byte", cheap)
+    monkeypatch.setattr(gradaccel._profile, "offload_cost_per_byte", cheap)
+    gradaccel.reset_plans()
+    shape = (64, 176, 2, 8, 2, 384)
+    model = _model(shape)
+    planner = Planner(model, optim="sgd")
+    seq, mb = 192, 2
+    prof = planner.profile(seq, mb)
+    batch = _batch(shape, mb, seq)
+    for frac in (0.0, 0.2):
+        budgets = [max(1, int(frac * prof.kind_of[i].graph.activation_bytes)) for i in range(len(prof.blocks))]
+        predicted = planner.estimate(seq, mb, budgets, offload=True)
+        assert predicted.offload and predicted.host["activations offloaded by the blocks"] > 0
+        assert predicted.time < planner.estimate(seq, mb, budgets).time  # the copies beat the recompute
+        gradaccel.reset_plans()
+        real_model = _checkpoint_with(_model(shape).train(), budgets, offload=True)
+        store = store_for(None)
+        before = store.stats()["bytes_offloaded"]
+        opt = gradaccel.FusedAccumOptimizer(torch.optim.SGD(real_model.parameters(), lr=1e-3, momentum=0.9), 1)
+        real = measured_peak(real_model, opt, hf_step, batch)  # 2 steps: trace, then one with offload
+        assert abs(predicted.peak / real - 1) <= 0.10, (frac, predicted.peak, real)
+        assert store.stats()["bytes_offloaded"] - before == predicted.host["activations offloaded by the blocks"]
+    # The fit: the fastest offload plan within the same memory is an option, with its figures. It
+    # pays on a deeper model (kept bytes add up over blocks, fetched ones are one block's).
+    deep = Planner(transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=8,
+                                            num_attention_heads=8, num_key_value_heads=2, vocab_size=384),
+                   optim="sgd", dtype=torch.float32)
+    static = sum(deep.static.__dict__[k] for k in ("weights", "buffer", "state"))
+    least = deep.estimate(seq, 2, 1).peak
+    result = deep.fit(seq, 2, least + (least - static) // 2, slack=0, micro_batches=[2])
+    assert result.fits and not result.offload and result.options
+    off = result.options[0]
+    assert off.offload and off.peak <= result.memory and off.step_cost < result.step_cost
+    assert "offload=True" in result.table() and sum(off.host.values()) > 0
+    with pytest.raises(ValueError, match="offload"):
+        off.apply(_model(shape), torch.optim.SGD(model.parameters(), lr=1e-3))
+    # Nothing fits: the advice names offload with its figures (it cannot lower the floor).
+    worse = deep.fit(seq, 2, static + (least - static) // 2, slack=0)
+    assert not worse.fits and any(s.startswith("not offload") and "to host memory" in s for s in worse.suggestions)
