@@ -17,6 +17,7 @@ slack (rounding, fragmentation, the CUDA context) is not measured: ``slack`` res
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import threading
@@ -202,7 +203,16 @@ class Planner:
     """
 
     def __init__(self, model, optim="adamw", lora=None, load_in_4bit=False, dtype=torch.bfloat16,
-                 master_weights=False):
+                 master_weights=False, make_batch=None, loss_fn=None):
+        for name, fn in (("make_batch", make_batch), ("loss_fn", loss_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a callable, got {type(fn).__name__}")
+        if isinstance(model, nn.Module) and make_batch is None and \
+                not isinstance(getattr(getattr(model, "config", None), "vocab_size", None), int):
+            raise ValueError(f"{type(model).__name__} is not a Hugging Face causal LM: give make_batch "
+                             "(micro_batch, seq) -> batch, and loss_fn (model, batch) -> loss if model(**batch).loss "
+                             "is not its loss")
+        self.make_batch, self.loss_fn = make_batch, loss_fn
         if isinstance(model, nn.Module):
             self.model, self.profiled, self.layout = model, model, None
         else:
@@ -225,9 +235,15 @@ class Planner:
             if any(getattr(p, "quant_state", None) is not None for p in self.model.parameters()):
                 raise ValueError("model holds bitsandbytes 4-bit weights, which cannot be copied onto fake tensors: "
                                  "plan the model before quantising it, with load_in_4bit=True")
-            vocab = getattr(getattr(self.profiled, "config", None), "vocab_size", 2)
-            ids = torch.zeros(micro_batch, seq, dtype=torch.long).random_(0, vocab)
-            self.profiles[(seq, micro_batch)] = Profile(self.profiled, hf_step, {"input_ids": ids, "labels": ids})
+            if self.make_batch is None:
+                vocab = self.profiled.config.vocab_size
+                ids = torch.zeros(micro_batch, seq, dtype=torch.long).random_(0, vocab)
+                batch = {"input_ids": ids, "labels": ids}
+            else:
+                # Only shapes and dtypes matter: the batch is copied onto fake tensors.
+                batch = self.make_batch(micro_batch, seq)
+            step = hf_step if self.loss_fn is None else functools.partial(_checked_loss, self.loss_fn)
+            self.profiles[(seq, micro_batch)] = Profile(self.profiled, step, batch)
         return self.profiles[(seq, micro_batch)]
 
     def expand(self, prof, chosen: dict) -> list:
@@ -306,6 +322,14 @@ class Planner:
                    default=0)
 
 
+def _checked_loss(loss_fn, model, batch):
+    loss = loss_fn(model, batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss_fn must return the loss as a tensor of one value, got "
+                         f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    return loss
+
+
 def _evaluate(setup: Planner, seq, micro_batch, batch, chosen, exact=True) -> Fit:
     prof = setup.profile(seq, micro_batch)
     points = setup.expand(prof, chosen)
@@ -338,7 +362,7 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, chosen, exact=True) -> Fi
 
 
 def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
-             dtype=torch.bfloat16, master_weights=False) -> Fit:
+             dtype=torch.bfloat16, master_weights=False, make_batch=None, loss_fn=None, offload=False) -> Fit:
     """The predicted peak of a training step with a given micro-batch and checkpoint budget.
 
     Args:
@@ -348,12 +372,14 @@ def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", l
         budget: per block, as ``checkpoint_blocks``'s: an int of bytes, or a fraction (None and
             0.0 are predicted as gradaccel's keep-nothing plan, a 1-byte budget), or a list of
             int budgets, one per block.
-        optim, lora, load_in_4bit, master_weights: as for :func:`fit`.
+        optim, lora, load_in_4bit, master_weights, make_batch, loss_fn: as for :func:`fit`.
+        offload: the blocks' plans with ``gradaccel.checkpoint(..., offload=True)``.
 
     Returns:
         Fit: ``peak`` and ``parts`` (accumulation steps 1).
     """
-    return Planner(model, optim, lora, load_in_4bit, dtype, master_weights).estimate(seq, micro_batch, budget)
+    return Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch,
+                   loss_fn).estimate(seq, micro_batch, budget, offload)
 
 
 def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False) -> Fit | None:
@@ -393,7 +419,8 @@ def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False) ->
 
 
 def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_in_4bit=False,
-        dtype=torch.bfloat16, master_weights=False, slack=None, micro_batches=None) -> Fit:
+        dtype=torch.bfloat16, master_weights=False, slack=None, micro_batches=None, make_batch=None,
+        loss_fn=None) -> Fit:
     """The fastest way to train ``batch`` sequences of ``seq`` tokens per step in ``memory``.
 
     Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the most
@@ -402,8 +429,10 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
     forward and backward, recompute, and the per-micro-batch fold into the fp32 buffer).
 
     Args:
-        model: an ``nn.Module`` (a Hugging Face causal LM; it is profiled on fake tensors, not
-            run), a preset name (``gradaccel.fit.PRESETS``), a config.json path or a config.
+        model: an ``nn.Module`` (profiled on fake tensors, not run): a Hugging Face causal LM,
+            or any module whose repeated blocks ``checkpoint_blocks`` finds, with
+            ``make_batch``; or a preset name (``gradaccel.fit.PRESETS``), a config.json path
+            or a config.
         seq: tokens per sequence. batch: sequences per optimizer step (the effective batch).
         memory: the device's memory for this process: bytes or a string such as "24GiB".
         optim: "adamw" (torch's fused AdamW), "adamw8bit" or "paged_adamw8bit" (bitsandbytes),
@@ -420,6 +449,11 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
         slack: bytes to leave for the allocator (rounding, fragmentation, CUDA context);
             default 5% of ``memory`` plus 512 MiB, or 0 on a CPU-only machine's own models.
         micro_batches: micro-batch sizes to try (default: the divisors of ``batch``).
+        make_batch: ``make_batch(micro_batch, seq) -> batch``, one micro-batch as ``loss_fn``
+            takes it (any nesting of tensors; only shapes and dtypes are used). Needed for a
+            module that is not a Hugging Face causal LM; default: token ids and labels.
+        loss_fn: ``loss_fn(model, batch) -> loss``, one micro-step's forward up to the scalar
+            loss; default ``model(**batch, use_cache=False).loss``.
 
     Returns:
         Fit: micro-batch, accumulation steps, per-block budgets, predicted peak with its parts
@@ -430,7 +464,7 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
         and, in ``host``, its host bytes. Its device peak is measured as the others are, on
         fake tensors with a store that keeps host copies off the device.
     """
-    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights)
+    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn)
     return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)
 
 
