@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from gradaccel._presets import PRESETS
 from gradaccel._profile import fake_mode, find_blocks
-from gradaccel.memory import LiveBytes, optimizer_state_bytes, storage_bytes
+from gradaccel.memory import LiveBytes, format_bytes, optimizer_state_bytes, storage_bytes
 
 OPTIMS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
 _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -256,3 +256,34 @@ def _optimizer_state(trainable, optim, master_weights) -> tuple:
         paged = storage_bytes(s[k] for p, s in opt.state.items() if p.numel() >= _BNB_PAGED_MIN
                               for k in ("state1", "state2") if k in s)
     return state - paged, max(0, live.peak - state), paged
+
+
+# -- advice when nothing fits ------------------------------------------------------------------
+def _suggest(setup, worst, usable, lora, load_in_4bit, offload=None) -> list:
+    """What would fit, from the parts of the smallest configuration (micro-batch 1, nothing kept);
+    ``offload``: the plan of micro-batch 1 that offloads most (its figures are reported)."""
+    st, out = setup.static, []
+    act = worst.peak - st.total
+    need = worst.peak - usable
+    frozen_weights = st.weights
+    if not load_in_4bit:
+        w4 = int(frozen_weights * 0.28)  # bf16 -> nf4 with double quantisation, about
+        out.append(("4-bit weights (--load-in-4bit) with LoRA", w4 + act < usable))
+    if not lora:
+        out.append(("LoRA (--lora 16): optimizer state and buffer for adapters only",
+                    st.weights + act + st.step // 100 < usable))
+    out.append(("a sequence half as long (activations about halve)", st.total + act // 2 < usable))
+    for n in (2, 4, 8, 16, 32):
+        if st.total // n + act < usable:
+            out.append((f"FSDP2 over {n} GPUs (weights, buffer and state sharded)", True))
+            break
+    lines = [name for name, ok in out if ok] or [f"nothing listed: short by {format_bytes(need)}"]
+    if offload is not None:
+        # Offload moves what blocks would keep or replay to host; their backward brings it back,
+        # so it lowers the floor only by what the recompute's working set exceeds it.
+        host = sum(offload.host.values())
+        what = (f"offload (checkpoint(..., offload=True)): device peak {format_bytes(offload.peak)} at micro-batch 1 "
+                f"(keeping nothing: {format_bytes(worst.peak)}), {format_bytes(host)} on host")
+        lines.append(what + (" (see options)" if offload.peak <= usable else
+                             f" (short by {format_bytes(offload.peak - usable)})"))
+    return lines

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from gradaccel._fitparts import OPTIMS, LoRALinear, _period, fake_model, hf_step, load_config, static_parts  # noqa: F401
+from gradaccel._fitparts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
+                                 load_config, static_parts)
 from gradaccel._presets import PRESETS
 from gradaccel._profile import Profile, find_blocks
 from gradaccel._trace import FLOPS_PER_BYTE
@@ -315,6 +316,16 @@ class Planner:
         worst.memory, worst.slack, worst.fits = memory, slack, False
         offload = _evaluate(setup, seq, 1, batch, {id(k): k.offload_frontier[0] for k, _ in kinds})
         worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
+        fitting = []
+        for mb in sorted(sizes):  # offload may fit where nothing else does
+            r = _best_for(setup, seq, mb, batch, usable, offload=True)
+            if r is None:
+                break
+            fitting.append(r)
+        if fitting:
+            off = min(fitting, key=lambda r: r.step_cost)
+            off.memory, off.slack = memory, slack
+            worst.options.append(off)
         return worst
 
     def _largest_linear(self, prof) -> int:
@@ -466,35 +477,6 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
     """
     planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn)
     return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)
-
-
-def _suggest(setup, worst, usable, lora, load_in_4bit, offload=None) -> list:
-    """What would fit, from the parts of the smallest configuration (micro-batch 1, nothing kept);
-    ``offload``: the plan of micro-batch 1 that offloads most (its figures are reported)."""
-    st, out = setup.static, []
-    act = worst.peak - st.total
-    need = worst.peak - usable
-    frozen_weights = st.weights
-    if not load_in_4bit:
-        w4 = int(frozen_weights * 0.28)  # bf16 -> nf4 with double quantisation, about
-        out.append(("4-bit weights (--load-in-4bit) with LoRA", w4 + act < usable))
-    if not lora:
-        out.append(("LoRA (--lora 16): optimizer state and buffer for adapters only",
-                    st.weights + act + st.step // 100 < usable))
-    out.append(("a sequence half as long (activations about halve)", st.total + act // 2 < usable))
-    for n in (2, 4, 8, 16, 32):
-        if st.total // n + act < usable:
-            out.append((f"FSDP2 over {n} GPUs (weights, buffer and state sharded)", True))
-            break
-    lines = [name for name, ok in out if ok] or [f"nothing listed: short by {format_bytes(need)}"]
-    if offload is not None:
-        # Offload moves what a block would keep to host memory; it cannot lower the floor of a
-        # plan that keeps nothing (block inputs, activations outside the blocks), so say so.
-        host = sum(offload.host.values())
-        lines.append(f"not offload (checkpoint(..., offload=True)): at micro-batch 1 it would send "
-                     f"{format_bytes(host)} to host memory, for a device peak of {format_bytes(offload.peak)} "
-                     f"against {format_bytes(worst.peak)} keeping nothing; the floor stays")
-    return lines
 
 
 # -- command line ---------------------------------------------------------------------------------

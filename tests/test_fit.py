@@ -99,11 +99,23 @@ def test_fitted_plan_never_exceeds_target():
     assert len(chosen) >= 2 and len(set(chosen)) >= 2, chosen  # the targets led to different plans
 
 
-def test_nothing_fits_says_what_would():
+def test_nothing_fits_says_what_would(monkeypatch):
     model = _model(SHAPES[0])
     result = fit(model, 96, 4, 1000, slack=0)
-    assert not result.fits and result.suggestions
+    assert not result.fits and result.suggestions and not result.options
     assert "DOES NOT FIT" in result.table()
+    # Where the recompute's working set outweighs what offload brings back, an offload plan fits
+    # below the floor of keeping nothing: it is the option. (Copy cost pinned, as measured here.)
+    cost = lambda device: 40.0  # noqa: E731
+    monkeypatch.setattr(sys.modules["gradaccel.checkpoint"], "offload_cost_per_byte", cost)
+    monkeypatch.setattr(gradaccel._profile, "offload_cost_per_byte", cost)
+    planner = Planner(model)
+    floor, offload = planner.estimate(96, 1, 1).peak, planner.estimate(96, 1, 1, offload=True).peak
+    assert offload < floor
+    result = planner.fit(96, 1, (floor + offload) // 2, slack=0)
+    assert not result.fits and result.options and result.options[0].offload
+    assert result.options[0].peak <= (floor + offload) // 2
+    assert any(s.startswith("offload") and s.endswith("(see options)") for s in result.suggestions)
 
 
 class _P:
@@ -285,9 +297,10 @@ def test_bitsandbytes_state_and_4bit_weights_measured():
     planner = Planner(lora, optim=optim, load_in_4bit=True)
     quantised = _quantize_blocks(copy.deepcopy(lora))
     qparams = list(quantised.parameters())
+    quant_states = [p.quant_state for p in qparams if hasattr(p, "quant_state")]
     real_weights = gradaccel.memory.storage_bytes(
         qparams + list(quantised.buffers())
-        + [t for p in qparams if hasattr(p, "quant_state") for t in gradaccel._fitparts._quant_state_tensors(p.quant_state)])
+        + [t for qs in quant_states for t in gradaccel._fitparts._quant_state_tensors(qs)])
     assert planner.static.weights == real_weights
     assert Planner(quantised, optim=optim).static.weights == real_weights  # an already quantised module
     with pytest.raises(ValueError, match="load_in_4bit"):
@@ -359,7 +372,7 @@ def test_offload_predicted_and_proposed(monkeypatch):
         off.apply(_model(shape), torch.optim.SGD(model.parameters(), lr=1e-3))
     # Nothing fits: the advice names offload with its figures (it cannot lower the floor).
     worse = deep.fit(seq, 2, static + (least - static) // 2, slack=0)
-    assert not worse.fits and any(s.startswith("not offload") and "to host memory" in s for s in worse.suggestions)
+    assert not worse.fits and any(s.startswith("offload") and "on host" in s for s in worse.suggestions)
 
 
 class _GPTBlock(torch.nn.Module):
