@@ -13,6 +13,10 @@ optimizer class on fake tensors), the activations each block keeps under its pla
 outside the blocks, and each phase's working set (measured on fake tensors with the trace and
 planner ``gradaccel.checkpoint`` itself uses; see gradaccel/_profile.py). The allocator's
 slack (rounding, fragmentation, the CUDA context) is not measured: ``slack`` reserves it.
+
+Any module whose blocks ``checkpoint_blocks`` finds can be fitted with ``make_batch`` and
+``loss_fn``. Plans with ``offload=True`` (host memory for what the budget leaves out) are
+predicted the same way and proposed in ``Fit.options`` where they are faster or fit alone.
 """
 
 import argparse
