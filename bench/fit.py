@@ -11,6 +11,7 @@ fraction of a block's activation bytes), side by side:
   own ``.grad``), measured the same way: what the checkpointed plans are saving.
 
 The table divides by ``gradaccel-measured``: the predicted column is predicted/measured.
+One case runs the blocks with ``offload=True`` (device peak and host bytes, see ``_offload_rows``).
 One more case compares ``checkpoint_blocks(memory=...)`` with equal per-block fractions of the
 same total on blocks that differ (see ``_split_rows``).
 On CUDA the measured variant is also taken with ``torch.cuda.max_memory_allocated``.
@@ -25,7 +26,7 @@ from gradaccel.memory import measured_peak
 
 SUITE = "fit"
 BASELINE = ["gradaccel-measured", "gradaccel-equal-fraction"]
-TABLE_METRICS = ["peak_bytes", "held_bytes", "recompute_flops"]
+TABLE_METRICS = ["peak_bytes", "host_bytes", "held_bytes", "recompute_flops"]
 
 
 def _cases(quick: bool):
@@ -75,7 +76,43 @@ def run(device: str, quick: bool) -> list[dict]:
         rows.append(row(SUITE, case, "torch-nockpt", "peak_bytes",
                         measured_peak(stock, torch.optim.AdamW(stock.parameters()), hf_step, batch), "B", device))
         model.zero_grad(set_to_none=True)
-    return rows + _split_rows(device)
+    return rows + _offload_rows(device, planners, quick) + _split_rows(device)
+
+
+def _offload_rows(device: str, planners: dict, quick: bool) -> list[dict]:
+    """Blocks checkpointed with ``offload=True`` at a small budget: the predicted device peak
+    and host bytes against the measured peak and the store's offloaded bytes. The copy's cost
+    (which decides what is offloaded) is this machine's, measured once per process."""
+    import functools
+
+    from gradaccel._frames import store_for
+
+    rows = []
+    shape = next(iter(planners))
+    _, planner = planners[shape]
+    seq, mb = (64, 2) if tiny() else (512, 1)
+    h, _, layers, _, _, vocab = shape
+    case = f"llama{layers}x(h{h},V{vocab}) T{seq} mb{mb} b0.05 offload"
+    progress(case)
+    prof = planner.profile(seq, mb)
+    budgets = [max(1, int(0.05 * prof.kind_of[j].graph.activation_bytes)) for j in range(len(prof.blocks))]
+    predicted = planner.estimate(seq, mb, budgets, offload=True)
+    gradaccel.reset_plans()
+    model = _model(shape, device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for block, b in zip(find_blocks(model), budgets):
+        block._gradient_checkpointing_func = functools.partial(gradaccel.checkpoint, budget=b, offload=True)
+    store = store_for(None)
+    before = store.stats()["bytes_offloaded"]
+    ids = torch.randint(0, vocab, (mb, seq), device=device)
+    measured = measured_peak(model, gradaccel.FusedAccumOptimizer(torch.optim.AdamW(model.parameters()), 1), hf_step,
+                             {"input_ids": ids, "labels": ids})
+    host = store.stats()["bytes_offloaded"] - before  # the second step's (the first one traces)
+    rows.append(row(SUITE, case, "gradaccel-predicted", "peak_bytes", predicted.peak, "B", device))
+    rows.append(row(SUITE, case, "gradaccel-measured", "peak_bytes", measured, "B", device))
+    rows.append(row(SUITE, case, "gradaccel-predicted", "host_bytes", sum(predicted.host.values()), "B", device))
+    rows.append(row(SUITE, case, "gradaccel-measured", "host_bytes", host, "B", device))
+    return rows
 
 
 class _Stack(torch.nn.Module):

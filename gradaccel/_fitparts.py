@@ -3,11 +3,14 @@ tensors, LoRA adapters as peft makes them) and the fixed parts of a training ste
 window buffer, optimizer state and masters, and the update's working set). See gradaccel/fit.py.
 """
 
+import copy
 import dataclasses
+import functools
 import inspect
 import json
 import math
 import os
+import warnings
 from unittest import mock
 
 import torch
@@ -15,9 +18,9 @@ import torch.nn as nn
 
 from gradaccel._presets import PRESETS
 from gradaccel._profile import fake_mode, find_blocks
-from gradaccel.memory import LiveBytes, optimizer_state_bytes, storage_bytes
+from gradaccel.memory import LiveBytes, format_bytes, optimizer_state_bytes, storage_bytes
 
-OPTIMS = ("adamw", "adamw8bit", "sgd")
+OPTIMS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
 _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -107,69 +110,126 @@ def _period(config) -> int:
 class Static:
     weights: int
     buffer: int  # FusedAccumOptimizer's fp32 window buffer
-    state: int  # the inner optimizer's state
+    state: int  # the inner optimizer's state on the device
     masters: int
     step: int  # working set of the update at the end of a window
     trainable: int  # parameters
+    paged: int = 0  # optimizer state in bitsandbytes' paged (unified) memory: host when short
 
     @property
     def total(self) -> int:
         return self.weights + self.buffer + self.state + self.masters
 
 
-def _nf4_bytes(numel: int) -> int:
-    # bitsandbytes nf4 with double quantisation (QLoRA): 4 bits a weight, an 8-bit absmax per
-    # 64 weights, an fp32 absmax per 256 of those.
-    return numel // 2 + numel // 64 + 4 * numel // (64 * 256)
+# -- weights: real storage, 4-bit included ---------------------------------------------------
+def _quant_state_tensors(qs) -> list:
+    """The tensors of a bitsandbytes ``QuantState`` (and its nested state for the absmax)."""
+    out = [t for t in (qs.absmax, qs.code, qs.offset) if isinstance(t, torch.Tensor)]
+    if getattr(qs, "state2", None) is not None:
+        out += _quant_state_tensors(qs.state2)
+    return out
+
+
+@functools.cache
+def nf4_bytes(shape: tuple, dtype: torch.dtype) -> int:
+    """Bytes a weight of ``shape`` takes as QLoRA stores it: bitsandbytes' own ``quantize_4bit``
+    (nf4, blocks of 64, double quantisation, uint8 storage) run on a fake tensor, counting the
+    packed weight and every tensor of its ``QuantState`` (absmax, code books, offset). Without
+    bitsandbytes, the same layout by formula (4 bits a weight, a uint8 absmax per 64, an fp32
+    absmax per 256 of those, a 16- and a 256-entry fp32 code book and an fp32 offset)."""
+    numel = math.prod(shape)
+    try:
+        import bitsandbytes.functional as F
+    except ImportError:
+        blocks = -(-numel // 64)
+        return -(-numel // 2) + blocks + 4 * -(-blocks // 256) + 4 * (16 + 256 + 1)
+    # The first call builds bnb's 8-bit code book with .tolist(), which fake tensors cannot do:
+    # one real call of 64 values fills its cache.
+    F.quantize_4bit(torch.ones(64, dtype=torch.float32), blocksize=64, compress_statistics=True, quant_type="nf4")
+    with fake_mode():
+        q, qs = F.quantize_4bit(torch.empty(shape, dtype=dtype), blocksize=64, compress_statistics=True,
+                                quant_type="nf4", quant_storage=torch.uint8)
+        return storage_bytes([q] + _quant_state_tensors(qs))
+
+
+def weight_bytes(model, load_in_4bit=False) -> int:
+    """Bytes of ``model``'s parameters and buffers at their storage size: a bitsandbytes
+    ``Params4bit`` as its packed weight plus its ``QuantState``'s tensors (measured, shared ones
+    once); with ``load_in_4bit``, the frozen linear weights of the blocks as :func:`nf4_bytes`."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    tensors = params + list(model.buffers())
+    tensors += [t for p in params if getattr(p, "quant_state", None) is not None
+                for t in _quant_state_tensors(p.quant_state)]
+    weights = storage_bytes(tensors)
+    if load_in_4bit:
+        for block in find_blocks(model):
+            for m in block.modules():
+                w = getattr(m, "weight", None)
+                if isinstance(m, nn.Linear) and not w.requires_grad and getattr(w, "quant_state", None) is None:
+                    weights += nf4_bytes(tuple(w.shape), w.dtype) - w.numel() * w.element_size()
+    return weights
 
 
 def static_parts(model, optim="adamw", master_weights=False, load_in_4bit=False) -> Static:
     """Weights, window buffer, optimizer state and masters, and the update's working set.
 
     Args:
-        optim: "adamw" (torch's fused AdamW), "adamw8bit" (bitsandbytes), "sgd" (momentum), or
-            an optimizer on ``model``'s parameters (a ``FusedAccumOptimizer`` or the inner one):
-            its state tensors are counted if it has any, else a step of its class on fake
-            tensors makes them.
+        optim: "adamw" (torch's fused AdamW), "adamw8bit" / "paged_adamw8bit" (bitsandbytes),
+            "sgd" (momentum), or an optimizer on ``model``'s parameters (a
+            ``FusedAccumOptimizer`` or the inner one): its state tensors are counted if it has
+            any, else a step of its class on fake tensors makes them.
     """
     params = list({id(p): p for p in model.parameters()}.values())
     trainable = [p for p in params if p.requires_grad]
-    weights = storage_bytes(params + list(model.buffers()))
-    if load_in_4bit:
-        for block in find_blocks(model):
-            for m in block.modules():
-                if isinstance(m, nn.Linear) and not m.weight.requires_grad:
-                    weights += _nf4_bytes(m.weight.numel()) - m.weight.numel() * m.weight.element_size()
+    weights = weight_bytes(model, load_in_4bit)
     numel = sum(p.numel() for p in trainable)
     masters = sum(4 * p.numel() for p in trainable if p.dtype != torch.float32) if master_weights else 0
     # Without masters a bf16 parameter gets its window gradient as a temporary copy in its dtype.
     copies = 0 if master_weights else sum(p.numel() * p.element_size() for p in trainable if p.dtype != torch.float32)
-    state, step = _optimizer_state(trainable, optim, master_weights)
+    state, step, paged = _optimizer_state(trainable, optim, master_weights)
     if isinstance(optim, torch.optim.Optimizer) and optimizer_state_bytes(optim):
-        state = optimizer_state_bytes(optim)
+        state = optimizer_state_bytes(optim) - paged
     buffer = getattr(optim, "grad_buffer", None)
     buffer = buffer.nbytes if buffer is not None else 4 * numel
-    return Static(weights, buffer, state, masters, step + copies, numel)
+    return Static(weights, buffer, state, masters, step + copies, numel, paged)
+
+
+def _bnb_class(name):
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ValueError(f"optim={name!r} needs bitsandbytes (pip install bitsandbytes)") from e
+    return bnb.optim.PagedAdamW8bit if name == "paged_adamw8bit" else bnb.optim.AdamW8bit
+
+
+def _is_bnb(cls) -> bool:
+    return any(c.__module__.startswith("bitsandbytes.") and c.__name__ == "Optimizer8bit" for c in cls.__mro__)
+
+
+# bitsandbytes puts a state tensor in paged memory on CUDA from this many values up
+# (Optimizer8bit.get_state_buffer); on CPU it falls back to ordinary tensors.
+_BNB_PAGED_MIN = 10**5
 
 
 def _optimizer_state(trainable, optim, master_weights) -> tuple:
-    if optim == "adamw8bit":
-        # bitsandbytes' layout: two uint8 states and an fp32 absmax per 256 values for tensors of
-        # 4096 values or more, two fp32 states below that; plus two 256-entry fp32 code books.
-        state = sum(2 * p.numel() + 8 * math.ceil(p.numel() / 256) + 2048 if p.numel() >= 4096 else 8 * p.numel()
-                    for p in trainable)
-        return state, 0
+    """(device state bytes, update working set, paged state bytes): the real optimizer class
+    stepped once on fake tensors of the trainable parameters' shapes, its state measured."""
+    args = None
     if isinstance(optim, torch.optim.Optimizer):
         inner = getattr(optim, "optimizer", optim)
         cls = type(inner)
         accepted = inspect.signature(cls.__init__).parameters
         defaults = {k: v for k, v in inner.defaults.items() if k in accepted}
+        args = getattr(inner, "args", None)  # bitsandbytes' settings (min_8bit_size, optim_bits)
+    elif optim in ("adamw8bit", "paged_adamw8bit"):
+        cls, defaults = _bnb_class(optim), {}
     elif optim == "adamw":
         cls, defaults = torch.optim.AdamW, {"fused": True}
     elif optim == "sgd":
         cls, defaults = torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}
     else:
         raise ValueError(f"optim must be one of {OPTIMS} or a torch.optim.Optimizer, got {optim!r}")
+    bnb = _is_bnb(cls)
     mode = fake_mode()
     with mode:
         ps = []
@@ -178,9 +238,52 @@ def _optimizer_state(trainable, optim, master_weights) -> tuple:
             q = nn.Parameter(torch.empty(tuple(p.shape), dtype=dtype))
             q.grad = torch.zeros_like(q)
             ps.append(q)
-        opt = cls(ps, **defaults)
-        live = LiveBytes()
-        with live:
-            opt.step()
-        state = optimizer_state_bytes(opt)
-    return state, max(0, live.peak - state)
+    # bitsandbytes builds its 8-bit code books with .tolist() in __init__: made outside the
+    # fake mode (2 KiB, real), shared by every parameter's state as in a real run.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+        opt = cls(ps, **defaults) if bnb else None
+        if args is not None and bnb:
+            opt.args = copy.copy(args)
+        with mode:
+            opt = opt or cls(ps, **defaults)
+            live = LiveBytes()
+            with live:
+                opt.step()
+            state = optimizer_state_bytes(opt)
+    paged = 0
+    if bnb and getattr(opt, "is_paged", False):
+        paged = storage_bytes(s[k] for p, s in opt.state.items() if p.numel() >= _BNB_PAGED_MIN
+                              for k in ("state1", "state2") if k in s)
+    return state - paged, max(0, live.peak - state), paged
+
+
+# -- advice when nothing fits ------------------------------------------------------------------
+def _suggest(setup, worst, usable, lora, load_in_4bit, offload=None) -> list:
+    """What would fit, from the parts of the smallest configuration (micro-batch 1, nothing kept);
+    ``offload``: the plan of micro-batch 1 that offloads most (its figures are reported)."""
+    st, out = setup.static, []
+    act = worst.peak - st.total
+    need = worst.peak - usable
+    frozen_weights = st.weights
+    if not load_in_4bit:
+        w4 = int(frozen_weights * 0.28)  # bf16 -> nf4 with double quantisation, about
+        out.append(("4-bit weights (--load-in-4bit) with LoRA", w4 + act < usable))
+    if not lora:
+        out.append(("LoRA (--lora 16): optimizer state and buffer for adapters only",
+                    st.weights + act + st.step // 100 < usable))
+    out.append(("a sequence half as long (activations about halve)", st.total + act // 2 < usable))
+    for n in (2, 4, 8, 16, 32):
+        if st.total // n + act < usable:
+            out.append((f"FSDP2 over {n} GPUs (weights, buffer and state sharded)", True))
+            break
+    lines = [name for name, ok in out if ok] or [f"nothing listed: short by {format_bytes(need)}"]
+    if offload is not None:
+        # Offload moves what blocks would keep or replay to host; their backward brings it back,
+        # so it lowers the floor only by what the recompute's working set exceeds it.
+        host = sum(offload.host.values())
+        what = (f"offload (checkpoint(..., offload=True)): device peak {format_bytes(offload.peak)} at micro-batch 1 "
+                f"(keeping nothing: {format_bytes(worst.peak)}), {format_bytes(host)} on host")
+        lines.append(what + (" (see options)" if offload.peak <= usable else
+                             f" (short by {format_bytes(offload.peak - usable)})"))
+    return lines

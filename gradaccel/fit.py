@@ -13,10 +13,15 @@ optimizer class on fake tensors), the activations each block keeps under its pla
 outside the blocks, and each phase's working set (measured on fake tensors with the trace and
 planner ``gradaccel.checkpoint`` itself uses; see gradaccel/_profile.py). The allocator's
 slack (rounding, fragmentation, the CUDA context) is not measured: ``slack`` reserves it.
+
+Any module whose blocks ``checkpoint_blocks`` finds can be fitted with ``make_batch`` and
+``loss_fn``. Plans with ``offload=True`` (host memory for what the budget leaves out) are
+predicted the same way and proposed in ``Fit.options`` where they are faster or fit alone.
 """
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import threading
@@ -25,7 +30,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from gradaccel._fitparts import OPTIMS, LoRALinear, _period, fake_model, hf_step, load_config, static_parts  # noqa: F401
+from gradaccel._fitparts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
+                                 load_config, static_parts)
 from gradaccel._presets import PRESETS
 from gradaccel._profile import Profile, find_blocks
 from gradaccel._trace import FLOPS_PER_BYTE
@@ -135,6 +141,9 @@ class Fit:
     slack: int = 0
     fits: bool = True
     suggestions: list = dataclasses.field(default_factory=list)
+    host: dict = dataclasses.field(default_factory=dict)  # bytes held in host memory, not in ``peak``
+    offload: bool = False  # the blocks run gradaccel.checkpoint(..., offload=True)
+    options: list = dataclasses.field(default_factory=list)  # other plans worth knowing (Fit each)
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
         """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
@@ -143,6 +152,10 @@ class Fit:
         from gradaccel.blocks import checkpoint_blocks
         from gradaccel.optimizer import FusedAccumOptimizer
 
+        if self.offload:
+            raise ValueError("this plan offloads (offload=True), which checkpoint_blocks cannot apply yet: call "
+                             "gradaccel.checkpoint(block, *args, budget=b, offload=True) per block with b from "
+                             "budgets, or apply the main plan (the Fit that lists this one in options)")
         checkpoint_blocks(model, budget=1)
         blocks = find_blocks(model)
         if len(blocks) != len(self.budgets):
@@ -168,11 +181,21 @@ class Fit:
             lines.append(f"{name:<44} {format_bytes(value):>12}")
         lines.append(f"{'predicted peak (at ' + str(self.phase) + ')':<44} {format_bytes(self.peak):>12}")
         lines.append(f"{'allocator slack (reserved, not measured)':<44} {format_bytes(self.slack):>12}")
+        for name, value in self.host.items():
+            lines.append(f"{'host: ' + name:<44} {format_bytes(value):>12}")
         if self.memory is not None:
             lines.append(f"{'target':<44} {format_bytes(self.memory):>12}")
         for s in self.suggestions:
-            lines.append(f"would fit: {s}")
+            lines.append(f"advice: {s}")
+        for o in self.options:
+            lines.append(f"option: {o.summary()}")
         return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line: micro-batch, offload, predicted device peak, host bytes and step time."""
+        host = sum(self.host.values())
+        return (f"micro-batch {self.micro_batch} x {self.accum_steps}{', offload=True' if self.offload else ''}: "
+                f"device peak {format_bytes(self.peak)}, host {format_bytes(host)}, step time {self.time:.2f}x")
 
 
 class Planner:
@@ -185,7 +208,16 @@ class Planner:
     """
 
     def __init__(self, model, optim="adamw", lora=None, load_in_4bit=False, dtype=torch.bfloat16,
-                 master_weights=False):
+                 master_weights=False, make_batch=None, loss_fn=None):
+        for name, fn in (("make_batch", make_batch), ("loss_fn", loss_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a callable, got {type(fn).__name__}")
+        if isinstance(model, nn.Module) and make_batch is None and \
+                not isinstance(getattr(getattr(model, "config", None), "vocab_size", None), int):
+            raise ValueError(f"{type(model).__name__} is not a Hugging Face causal LM: give make_batch "
+                             "(micro_batch, seq) -> batch, and loss_fn (model, batch) -> loss if model(**batch).loss "
+                             "is not its loss")
+        self.make_batch, self.loss_fn = make_batch, loss_fn
         if isinstance(model, nn.Module):
             self.model, self.profiled, self.layout = model, model, None
         else:
@@ -205,9 +237,18 @@ class Planner:
 
     def profile(self, seq, micro_batch) -> Profile:
         if (seq, micro_batch) not in self.profiles:
-            vocab = getattr(getattr(self.profiled, "config", None), "vocab_size", 2)
-            ids = torch.zeros(micro_batch, seq, dtype=torch.long).random_(0, vocab)
-            self.profiles[(seq, micro_batch)] = Profile(self.profiled, hf_step, {"input_ids": ids, "labels": ids})
+            if any(getattr(p, "quant_state", None) is not None for p in self.model.parameters()):
+                raise ValueError("model holds bitsandbytes 4-bit weights, which cannot be copied onto fake tensors: "
+                                 "plan the model before quantising it, with load_in_4bit=True")
+            if self.make_batch is None:
+                vocab = self.profiled.config.vocab_size
+                ids = torch.zeros(micro_batch, seq, dtype=torch.long).random_(0, vocab)
+                batch = {"input_ids": ids, "labels": ids}
+            else:
+                # Only shapes and dtypes matter: the batch is copied onto fake tensors.
+                batch = self.make_batch(micro_batch, seq)
+            step = hf_step if self.loss_fn is None else functools.partial(_checked_loss, self.loss_fn)
+            self.profiles[(seq, micro_batch)] = Profile(self.profiled, step, batch)
         return self.profiles[(seq, micro_batch)]
 
     def expand(self, prof, chosen: dict) -> list:
@@ -229,7 +270,7 @@ class Planner:
             out["peak"] += self._largest_linear(prof)
         return out
 
-    def estimate(self, seq: int, micro_batch: int, budget=None) -> Fit:
+    def estimate(self, seq: int, micro_batch: int, budget=None, offload=False) -> Fit:
         """See :func:`estimate`."""
         prof = self.profile(seq, micro_batch)
         chosen = {}
@@ -237,7 +278,7 @@ class Planner:
             b = budget if not isinstance(budget, (list, tuple)) else budget[kind.blocks[0]]
             if b is None or isinstance(b, float):
                 b = max(1, int((b or 0.0) * kind.graph.activation_bytes))
-            chosen[id(kind)] = kind.plan_at(b)
+            chosen[id(kind)] = kind.offload_at(b) if offload else kind.plan_at(b)
         return _evaluate(self, seq, micro_batch, micro_batch, chosen)
 
     def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None) -> Fit:
@@ -263,15 +304,45 @@ class Planner:
             least = min(r.step_cost for r in results)
             best = max((r for r in results if r.step_cost <= least * 1.005), key=lambda r: r.micro_batch)
             best.memory, best.slack = memory, slack
+            # Offload: what the budget leaves out goes to host memory where copying beats
+            # recomputing; faster at the same device memory, or not at all (its own micro-batches:
+            # offload never lowers the floor of a plan that keeps nothing).
+            offloaded = [r for r in (_best_for(setup, seq, x.micro_batch, batch, usable, offload=True)
+                                     for x in results) if r is not None and r.offload]
+            if offloaded:
+                off = min(offloaded, key=lambda r: r.step_cost)
+                if off.step_cost < best.step_cost * 0.995:
+                    off.memory, off.slack = memory, slack
+                    best.options.append(off)
             return best
-        worst = _evaluate(setup, seq, 1, batch, {id(k): k.frontier[0] for k, _ in setup.kinds(setup.profile(seq, 1))})
+        kinds = setup.kinds(setup.profile(seq, 1))
+        worst = _evaluate(setup, seq, 1, batch, {id(k): k.frontier[0] for k, _ in kinds})
         worst.memory, worst.slack, worst.fits = memory, slack, False
-        worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit)
+        offload = _evaluate(setup, seq, 1, batch, {id(k): k.offload_frontier[0] for k, _ in kinds})
+        worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
+        fitting = []
+        for mb in sorted(sizes):  # offload may fit where nothing else does
+            r = _best_for(setup, seq, mb, batch, usable, offload=True)
+            if r is None:
+                break
+            fitting.append(r)
+        if fitting:
+            off = min(fitting, key=lambda r: r.step_cost)
+            off.memory, off.slack = memory, slack
+            worst.options.append(off)
         return worst
 
     def _largest_linear(self, prof) -> int:
         return max((m.weight.numel() * 2 for b in prof.blocks for m in b.modules() if isinstance(m, nn.Linear)),
                    default=0)
+
+
+def _checked_loss(loss_fn, model, batch):
+    loss = loss_fn(model, batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss_fn must return the loss as a tensor of one value, got "
+                         f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    return loss
 
 
 def _evaluate(setup: Planner, seq, micro_batch, batch, chosen, exact=True) -> Fit:
@@ -295,13 +366,18 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, chosen, exact=True) -> Fi
     else:
         parts["optimizer update working set"] = st.step
         phase = "optimizer step"
+    host = {"optimizer state, paged (bitsandbytes)": st.paged} if st.paged else {}
+    offloaded = sum(p.host for p in points)
+    if offloaded:
+        host["activations offloaded by the blocks"] = offloaded
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,
-               sum(p.flops for p in points), (batch // micro_batch) * (base + recompute))
+               sum(p.flops for p in points), (batch // micro_batch) * (base + recompute), host=host,
+               offload=bool(offloaded))
 
 
 def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
-             dtype=torch.bfloat16, master_weights=False) -> Fit:
+             dtype=torch.bfloat16, master_weights=False, make_batch=None, loss_fn=None, offload=False) -> Fit:
     """The predicted peak of a training step with a given micro-batch and checkpoint budget.
 
     Args:
@@ -311,28 +387,32 @@ def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", l
         budget: per block, as ``checkpoint_blocks``'s: an int of bytes, or a fraction (None and
             0.0 are predicted as gradaccel's keep-nothing plan, a 1-byte budget), or a list of
             int budgets, one per block.
-        optim, lora, load_in_4bit, master_weights: as for :func:`fit`.
+        optim, lora, load_in_4bit, master_weights, make_batch, loss_fn: as for :func:`fit`.
+        offload: the blocks' plans with ``gradaccel.checkpoint(..., offload=True)``.
 
     Returns:
         Fit: ``peak`` and ``parts`` (accumulation steps 1).
     """
-    return Planner(model, optim, lora, load_in_4bit, dtype, master_weights).estimate(seq, micro_batch, budget)
+    return Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch,
+                   loss_fn).estimate(seq, micro_batch, budget, offload)
 
 
-def _best_for(setup: Planner, seq, micro_batch, batch, usable) -> Fit | None:
-    """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes."""
+def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False) -> Fit | None:
+    """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes (with
+    ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``)."""
     prof = setup.profile(seq, micro_batch)
     kinds = setup.kinds(prof)
-    least = {id(k): k.frontier[0] for k, _ in kinds}
+    front = {id(k): (k.offload_frontier if offload else k.frontier) for k, _ in kinds}
+    least = {id(k): front[id(k)][0] for k, _ in kinds}
     lo_fit = _evaluate(setup, seq, micro_batch, batch, least, exact=False)
     if lo_fit.peak > usable:
         return None
 
     def split(m):
-        pts = split_memory([(k.frontier, n) for k, n in kinds], m)
+        pts = split_memory([(front[id(k)], n) for k, n in kinds], m)
         return {id(k): p for (k, _), p in zip(kinds, pts)}
 
-    hi = sum(k.frontier[-1].kept * n for k, n in kinds)
+    hi = sum(front[id(k)][-1].kept * n for k, n in kinds)
     lo, best = 0, least
     for _ in range(14):  # the most memory the blocks may keep (estimated), by bisection
         if hi - lo <= max(1, hi // 1000):
@@ -354,7 +434,8 @@ def _best_for(setup: Planner, seq, micro_batch, batch, usable) -> Fit | None:
 
 
 def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_in_4bit=False,
-        dtype=torch.bfloat16, master_weights=False, slack=None, micro_batches=None) -> Fit:
+        dtype=torch.bfloat16, master_weights=False, slack=None, micro_batches=None, make_batch=None,
+        loss_fn=None) -> Fit:
     """The fastest way to train ``batch`` sequences of ``seq`` tokens per step in ``memory``.
 
     Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the most
@@ -363,47 +444,43 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
     forward and backward, recompute, and the per-micro-batch fold into the fp32 buffer).
 
     Args:
-        model: an ``nn.Module`` (a Hugging Face causal LM; it is profiled on fake tensors, not
-            run), a preset name (``gradaccel.fit.PRESETS``), a config.json path or a config.
+        model: an ``nn.Module`` (profiled on fake tensors, not run): a Hugging Face causal LM,
+            or any module whose repeated blocks ``checkpoint_blocks`` finds, with
+            ``make_batch``; or a preset name (``gradaccel.fit.PRESETS``), a config.json path
+            or a config.
         seq: tokens per sequence. batch: sequences per optimizer step (the effective batch).
         memory: the device's memory for this process: bytes or a string such as "24GiB".
-        optim: "adamw" (torch's fused AdamW), "adamw8bit" (bitsandbytes), "sgd", or an optimizer.
+        optim: "adamw" (torch's fused AdamW), "adamw8bit" or "paged_adamw8bit" (bitsandbytes),
+            "sgd", or an optimizer (its class is stepped once on fake tensors and its state
+            measured; bitsandbytes' too). Paged state (bitsandbytes puts tensors of 100k values
+            or more in unified memory on CUDA) is reported apart, in ``host``: it is not in
+            the device peak, as the driver moves it to host memory when the device is short.
         lora: LoRA rank on every linear layer of the blocks (models built from a config).
-        load_in_4bit: frozen block weights stored as nf4 (bitsandbytes, double quantisation).
+        load_in_4bit: frozen block weights stored as nf4 (bitsandbytes, double quantisation),
+            sized by bitsandbytes' own quantisation run on fake tensors. A module already
+            quantised has its real storage counted but cannot be profiled: plan it before.
         dtype: weights' dtype for a model built from a config.
         master_weights: fp32 master copies of bf16/fp16 parameters (FusedAccumOptimizer).
         slack: bytes to leave for the allocator (rounding, fragmentation, CUDA context);
             default 5% of ``memory`` plus 512 MiB, or 0 on a CPU-only machine's own models.
         micro_batches: micro-batch sizes to try (default: the divisors of ``batch``).
+        make_batch: ``make_batch(micro_batch, seq) -> batch``, one micro-batch as ``loss_fn``
+            takes it (any nesting of tensors; only shapes and dtypes are used). Needed for a
+            module that is not a Hugging Face causal LM; default: token ids and labels.
+        loss_fn: ``loss_fn(model, batch) -> loss``, one micro-step's forward up to the scalar
+            loss; default ``model(**batch, use_cache=False).loss``.
 
     Returns:
         Fit: micro-batch, accumulation steps, per-block budgets, predicted peak with its parts
-        and step time; ``fits`` False (with ``suggestions``) when nothing fits.
+        and step time; ``fits`` False (with ``suggestions``) when nothing fits. ``options``
+        holds the fastest plan with offload (``gradaccel.checkpoint(..., offload=True)``: the
+        checkpoint's own planner chooses, per block, what goes to host memory where copying
+        beats recomputing) when it is faster within the same memory, with its device peak
+        and, in ``host``, its host bytes. Its device peak is measured as the others are, on
+        fake tensors with a store that keeps host copies off the device.
     """
-    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights)
+    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn)
     return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)
-
-
-def _suggest(setup, worst, usable, lora, load_in_4bit) -> list:
-    """What would fit, from the parts of the smallest configuration (micro-batch 1, nothing kept)."""
-    st, out = setup.static, []
-    act = worst.peak - st.total
-    need = worst.peak - usable
-    frozen_weights = st.weights
-    if not load_in_4bit:
-        w4 = int(frozen_weights * 0.28)  # bf16 -> nf4 with double quantisation, about
-        out.append(("4-bit weights (--load-in-4bit) with LoRA", w4 + act < usable))
-    if not lora:
-        out.append(("LoRA (--lora 16): optimizer state and buffer for adapters only",
-                    st.weights + act + st.step // 100 < usable))
-    out.append(("a sequence half as long (activations about halve)", st.total + act // 2 < usable))
-    out.append(("offload activations to host (checkpoint(..., offload=True))", st.total + act // 3 < usable))
-    for n in (2, 4, 8, 16, 32):
-        if st.total // n + act < usable:
-            out.append((f"FSDP2 over {n} GPUs (weights, buffer and state sharded)", True))
-            break
-    return [f"{name} (short by {format_bytes(need)})" if not ok else name for name, ok in out if ok] or \
-        [f"nothing listed: short by {format_bytes(need)}"]
 
 
 # -- command line ---------------------------------------------------------------------------------
