@@ -83,7 +83,8 @@ compat:
 	@test -x $(COMPAT_VENV)/bin/python || { $(PYTHON) -m venv $(COMPAT_VENV) && \
 		$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip wheel setuptools && \
 		$(COMPAT_VENV)/bin/python -m pip install -q $(COMPAT_PINS); }
-	rm -rf $(COMPAT_DIR) && mkdir -p $(COMPAT_DIR)
+	@# A fresh copy of the tree, but its build/ stays: tar keeps mtimes, so ninja recompiles only what changed.
+	mkdir -p $(COMPAT_DIR) && find $(COMPAT_DIR) -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
 	git ls-files -z --cached --others --exclude-standard | tar --null -T - --ignore-failed-read -cf - | tar -xf - -C $(COMPAT_DIR)
 	cd $(COMPAT_DIR) && GRADACCEL_SKIP_EXT=1 $(CURDIR)/$(COMPAT_VENV)/bin/python -m pip install -q \
 		--no-build-isolation -e ".[$(EXTRAS)]" $(COMPAT_PINS)
