@@ -16,6 +16,7 @@ from unittest import mock
 import torch
 import torch.nn as nn
 
+from gradaccel._flat import NARROW_HEAD
 from gradaccel._presets import PRESETS
 from gradaccel._profile import fake_mode, find_blocks
 from gradaccel.memory import LiveBytes, format_bytes, optimizer_state_bytes, storage_bytes
@@ -184,14 +185,16 @@ def static_parts(model, optim="adamw", master_weights=False, load_in_4bit=False)
     weights = weight_bytes(model, load_in_4bit)
     numel = sum(p.numel() for p in trainable)
     masters = sum(4 * p.numel() for p in trainable if p.dtype != torch.float32) if master_weights else 0
-    # Without masters a bf16 parameter gets its window gradient as a temporary copy in its dtype.
-    copies = 0 if master_weights else sum(p.numel() * p.element_size() for p in trainable if p.dtype != torch.float32)
+    # Without masters a bf16 gradient is rounded in place in the buffer, through a temporary of at
+    # most NARROW_HEAD elements that is freed before the inner step runs (gradaccel/_flat.py).
+    rounding = max((min(p.numel(), NARROW_HEAD) * p.element_size() for p in trainable
+                    if p.dtype != torch.float32 and not master_weights), default=0)
     state, step, paged = _optimizer_state(trainable, optim, master_weights)
     if isinstance(optim, torch.optim.Optimizer) and optimizer_state_bytes(optim):
         state = optimizer_state_bytes(optim) - paged
     buffer = getattr(optim, "grad_buffer", None)
     buffer = buffer.nbytes if buffer is not None else 4 * numel
-    return Static(weights, buffer, state, masters, step + copies, numel, paged)
+    return Static(weights, buffer, state, masters, max(step, rounding), numel, paged)
 
 
 def _bnb_class(name):
