@@ -32,7 +32,8 @@ def _checkpointed_forward(self, *args, **kwargs):
     forward = super(type(self)._gradaccel_subclass, self).forward
     # Eval, no_grad and inference need no backward, so nothing to recompute: run as is (this also
     # keeps a KV cache that a recompute would otherwise update twice).
-    if not (self.training and torch.is_grad_enabled()):
+    if not (self.training and torch.is_grad_enabled()) or self.__dict__.get("_gradaccel_fine"):
+        # (memory= below the per-block floor checkpoints the block's parts instead: frontier.py)
         return forward(*args, **kwargs)
     # Keyword arguments go in through partial so that names such as `use_reentrant` or `budget`
     # reach the block, not checkpoint.
@@ -116,6 +117,8 @@ class _HFCheckpoint:
             method = types.MethodType(function.func, layer)
             function = functools.partial(method, *function.args[1:], **function.keywords)
         kwargs.pop("use_reentrant", None)  # gradaccel is always non-reentrant
+        if layer is not None and layer.__dict__.get("_gradaccel_fine"):
+            return function(*args, **kwargs)  # memory= checkpoints its parts instead (gradaccel/frontier.py)
         # checkpoint_blocks(memory=...) gives each layer its own share, in bytes.
         return checkpoint(function, *args, budget=getattr(layer, "_gradaccel_budget", self.budget), **kwargs)
 
@@ -335,12 +338,17 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None):
         block_types (None | type | str | sequence of them): block classes, or class names such as
             ``"LlamaDecoderLayer"``. Must be None for Hugging Face models that support
             gradient checkpointing (their own hook picks the layers).
-        memory (None | int | str): instead of ``budget``, one activation budget for all the blocks
-            together, in bytes or as a string such as ``"6GiB"``: the bytes the blocks may keep in
-            total, on top of each block's input (which any checkpoint keeps). At the first training
-            call for an input shape, every block kind is traced on fake tensors and the total is
-            split so that the whole model's recompute is least (see ``gradaccel.fit.split_memory``):
-            identical blocks get equal shares, blocks that differ get what suits them.
+        memory (None | int | str): instead of ``budget``, one memory target for the training step,
+            in bytes or as a string such as ``"6GiB"``: the most bytes one forward and backward
+            may add above what exists before it (activations held for backward, backward's working
+            set and the parameters' gradients, as ``gradaccel.memory.LiveBytes`` counts them). At
+            the first training call for an input shape the model is profiled on fake tensors and
+            the plan with the least recompute whose peak fits is chosen: a split of kept bytes
+            across blocks (knapsack, ``gradaccel.fit.split_memory``: identical blocks get equal
+            shares), or below what per-block plans reach, each block's parts as their own
+            checkpoints and/or a causal LM's loss computed in chunks without logits held for
+            backward (see gradaccel/frontier.py). ``model.train()`` with a loss the model
+            computes (``labels``) is what is profiled; for a plain module, its output summed.
 
     Returns:
         nn.Module: ``model`` itself.
@@ -403,7 +411,8 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None):
 
 def _split_on_call(model, memory):
     if memory is not None:
-        from gradaccel.fit import MemorySplit
+        from gradaccel._profile import find_blocks
+        from gradaccel.frontier import MemoryTarget
 
-        model.register_forward_pre_hook(MemorySplit(memory), with_kwargs=True)
+        model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model), with_kwargs=True)
     return model
