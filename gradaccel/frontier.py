@@ -27,7 +27,10 @@ ladder ordered by recompute:
      rebuilds logits a chunk at a time in backward (one more LM-head matmul). The model's
      ``logits`` output is still made by ``lm_head`` as before (and still differentiable),
      then freed when the caller drops it.
-   - both.
+   - **tiles**: with parts, each token-wise part (an MLP of linear layers) runs a quarter of
+     the tokens at a time, each its own checkpoint: backward rebuilds a quarter of its
+     intermediates at once.
+   - combinations of these, in the order of ``LOW_MEMORY_MODES``.
 
 The choice is made once per input shape; outputs and gradients are those without
 checkpointing (up to the order of floating-point sums).
@@ -45,16 +48,32 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["MemoryTarget", "ChunkedLinearCrossEntropy", "LOW_MEMORY_MODES"]
 
-LOW_MEMORY_MODES = (("parts",), ("head",), ("parts", "head"))  # below the per-block floor, in order
+# Below the per-block floor, in order of recompute (then of regions run).
+LOW_MEMORY_MODES = (("parts",), ("head",), ("parts", "head"), ("parts", "tiles"), ("parts", "tiles", "head"))
+TILES = 4  # token chunks of a token-wise part in "tiles" mode
 _busy = threading.local()
 
 
 # -- parts: a block's children as their own checkpoints -----------------------------------------
 def _part_forward(module, *args, **kwargs):
     forward = type(module).forward.__get__(module)
-    if module.__dict__.get("_gradaccel_part") and module.training and torch.is_grad_enabled():
-        return _tc.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return forward(*args, **kwargs)
+    if not (module.__dict__.get("_gradaccel_part") and module.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    tiles = module.__dict__.get("_gradaccel_tiles", 1)
+    if tiles > 1 and len(args) == 1 and not kwargs and torch.is_tensor(args[0]) and args[0].dim() >= 2:
+        # A token-wise part (an MLP): each chunk of tokens is its own checkpoint, so backward
+        # rebuilds a chunk's intermediates at a time. Outputs are the same rows, concatenated.
+        return torch.cat([_tc.checkpoint(forward, x, use_reentrant=False)
+                          for x in args[0].chunk(tiles, dim=-2)], dim=-2)
+    return _tc.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _token_wise(module: nn.Module) -> bool:
+    """An MLP made of linear layers and parameterless activations: each token's output depends
+    on that token alone, so it can run a chunk of tokens at a time."""
+    return type(module).__name__.endswith("MLP") and all(
+        isinstance(m, nn.Linear) or not any(True for _ in m.parameters(recurse=False))
+        for m in module.modules())
 
 
 def _parts_of(block: nn.Module) -> list:
@@ -69,12 +88,14 @@ def install_parts(block: nn.Module) -> None:
             child.forward = functools.partial(_part_forward, child)
 
 
-def set_parts(block: nn.Module, on: bool) -> None:
-    """``on``: ``block`` runs uncheckpointed and its children as keep-nothing checkpoints."""
+def set_parts(block: nn.Module, on: bool, tiles: bool = False) -> None:
+    """``on``: ``block`` runs uncheckpointed and its children as keep-nothing checkpoints;
+    ``tiles``: its token-wise children (MLPs) a chunk of tokens at a time."""
     block._gradaccel_fine = on
     for child in _parts_of(block):
         if "_gradaccel_part" in child.__dict__:
             child._gradaccel_part = on
+            child._gradaccel_tiles = TILES if on and tiles and _token_wise(child) else 1
 
 
 # -- head: the loss from hidden states, a chunk of rows at a time --------------------------------
@@ -221,8 +242,9 @@ class MemoryTarget:
 
     Attributes:
         memory: the target in bytes.
-        chosen: input signature -> ``(mode, predicted peak)``; mode is ``"blocks"`` or a tuple of
-            :data:`LOW_MEMORY_MODES`.
+        chosen: input signature -> ``(mode, predicted peak, floor)``; mode is ``"blocks"`` or a
+            tuple of :data:`LOW_MEMORY_MODES`; ``floor`` is the predicted peak with every block at
+            its keep-least plan, the least per-block plans reach.
     """
 
     def __init__(self, memory: int, blocks: list, model: nn.Module):
@@ -256,7 +278,7 @@ class MemoryTarget:
     def _set(self, model, blocks, mode, budgets):
         for block, budget in zip(blocks, budgets):
             block._gradaccel_budget = budget
-            set_parts(block, "parts" in mode)
+            set_parts(block, "parts" in mode, "tiles" in mode)
         set_head(model, "head" in mode)
 
     def _choose(self, module, args, kwargs):
@@ -268,7 +290,7 @@ class MemoryTarget:
         floor = prof.predict(least)["peak"]
         if floor <= self.memory:
             points, peak = _best_split(prof, kinds, self.memory)
-            return ("blocks", [p.budget for p in points]), ("blocks", peak)
+            return ("blocks", [p.budget for p in points]), ("blocks", peak, floor)
         tried = []
         for mode in LOW_MEMORY_MODES:
             if "head" in mode and not self.has_head:
@@ -276,12 +298,12 @@ class MemoryTarget:
             peak = _fake_peak(prof, mode, least)
             tried.append((peak, mode))
             if peak <= self.memory:
-                return (mode, [p.budget for p in least]), (mode, peak)
+                return (mode, [p.budget for p in least]), (mode, peak, floor)
         peak, mode = min(tried + [(floor, ())], key=lambda t: t[0])
         warnings.warn(f"gradaccel.checkpoint_blocks: memory={self.memory} bytes is below the least this step can "
                       f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors); using that plan. "
                       "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
-        return (mode, [p.budget for p in least]), (mode, peak)
+        return (mode, [p.budget for p in least]), (mode, peak, floor)
 
 
 def _best_split(prof, kinds, memory):
@@ -318,7 +340,7 @@ def _fake_peak(prof, mode, least) -> int:
     model = prof.model
     for b in prof.blocks:
         install_parts(b)
-        set_parts(b, "parts" in mode)
+        set_parts(b, "parts" in mode, "tiles" in mode)
     if "head" in mode:
         install_head(model)
     set_head(model, "head" in mode)
