@@ -48,8 +48,8 @@ def _shape(quick):
 def _budgets(quick):
     if tiny():
         return (0.5,), (0.6,)
-    return ((0.5, 0.25, 0.1), (0.8, 0.6, 0.45, 0.38)) if quick else \
-        ((1.0, 0.5, 0.25, 0.1, 0.0), (0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.38))
+    return ((0.5, 0.25, 0.1), (0.8, 0.6, 0.55, 0.45, 0.38)) if quick else \
+        ((1.0, 0.5, 0.25, 0.1, 0.0), (0.9, 0.8, 0.7, 0.6, 0.55, 0.5, 0.45, 0.4, 0.38))
 
 
 def _model(s, device):
@@ -170,7 +170,7 @@ def run(device: str, quick: bool) -> list[dict]:
             if err > GRAD_RTOL:
                 raise AssertionError(f"{name}: gradients differ from torch-nockpt by {err:.2e} of the largest")
             rows.append(row(SUITE, case, name, "peak_bytes", _peak(m, step, device), "B", device))
-            local = time_interleaved({"ref": ref_step, "c": step}, device, warmup=1, reps=reps)
+            local = time_interleaved({"ref": ref_step, "c": step}, device, warmup=1, reps=max(1, reps - 2))
         rows.append(row(SUITE, case, name, "time", local["c"] / local["ref"] * times["torch-nockpt"], "s", device))
         rows.append(row(SUITE, case, name, "compile_s", compile_s, "s", device))
     torch._dynamo.reset()

@@ -192,6 +192,14 @@ class _HeadLoss:
                                                ignore_index, rows)
 
 
+def _clear_head(model, args, out):
+    # Whatever the loss did not take (no labels given) must not outlive the forward.
+    loss = model.__dict__.get("_loss_function")
+    if isinstance(loss, _HeadLoss):
+        loss.head.__dict__.pop("_gradaccel_seen", None)
+    return None
+
+
 def install_head(model: nn.Module) -> bool:
     """Prepares head mode on a Hugging Face causal LM whose loss is the stock ``ForCausalLMLoss``
     (off until :func:`set_head`). Returns whether the model has such a head."""
@@ -209,6 +217,7 @@ def install_head(model: nn.Module) -> bool:
         return False
     head._gradaccel_head = False
     head.register_forward_hook(_record_head)
+    model.register_forward_hook(_clear_head)
     model.loss_function = _HeadLoss(head, current)
     return True
 
@@ -272,6 +281,8 @@ class MemoryTarget:
                 _busy.on = False
                 torch.clear_autocast_cache()
         mode, budgets = self.seen[key]
+        if kwargs.get("labels") is None:  # the loss is computed outside the model: logits as they are
+            mode = tuple(m for m in mode if m != "head") if mode != "blocks" else mode
         self._set(module, blocks, mode, budgets)
         return None
 
