@@ -42,7 +42,7 @@ def test_chunked_linear_cross_entropy_matches_torch(bias, num_items):
             t.grad = None
 
 
-def _llama(hidden, vocab, layers=2):
+def _llama(hidden, vocab, layers=1):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                                    num_attention_heads=2, num_key_value_heads=2, vocab_size=vocab,
