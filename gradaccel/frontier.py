@@ -10,7 +10,8 @@ ladder ordered by recompute:
 
 1. **Per-block plans.** The bytes the blocks keep are split across blocks by the knapsack of
    ``gradaccel.fit.split_memory`` (identical blocks get equal shares); the largest split whose
-   predicted peak (``Profile.predict``) fits is taken.
+   predicted peak (``Profile.predict``) fits is taken. A block whose plan recomputes nothing
+   runs uncheckpointed (the same memory, without the checkpoint's own cost).
 2. Below the keep-least per-block plans, a per-block checkpoint's floor is not its block's
    input (that is one hidden state per block) but backward's working set: a block recomputes
    all its activations at once before its backward runs, while every gradient made so far is
@@ -288,8 +289,10 @@ class MemoryTarget:
 
     def _set(self, model, blocks, mode, budgets):
         for block, budget in zip(blocks, budgets):
-            block._gradaccel_budget = budget
+            block._gradaccel_budget = budget or 0
             set_parts(block, "parts" in mode, "tiles" in mode)
+            if budget is None:  # a plan that recomputes nothing: no checkpoint, and none of its cost
+                block._gradaccel_fine = True
         set_head(model, "head" in mode)
 
     def _choose(self, module, args, kwargs):
@@ -301,7 +304,9 @@ class MemoryTarget:
         floor = prof.predict(least)["peak"]
         if floor <= self.memory:
             points, peak = _best_split(prof, kinds, self.memory)
-            return ("blocks", [p.budget for p in points]), ("blocks", peak, floor)
+            budgets = [None if p.cost == 0 and p is prof.kind_of[i].frontier[-1] else p.budget
+                       for i, p in enumerate(points)]
+            return ("blocks", budgets), ("blocks", peak, floor)
         tried = []
         for mode in LOW_MEMORY_MODES:
             if "head" in mode and not self.has_head:
