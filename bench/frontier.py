@@ -192,7 +192,8 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for prefix, style, label in (("gradaccel-memory", "o-", "gradaccel memory="),
                                  ("torch-compile-amb", "s--", "torch.compile activation_memory_budget"),
-                                 ("torch-hf", "^", "HF gradient checkpointing"), ("torch-nockpt", "k*", "no checkpointing")):
+                                 ("torch-hf", "^", "HF gradient checkpointing"),
+                                 ("torch-nockpt", "k*", "no checkpointing")):
         pts = sorted((v["peak_bytes"] / base["peak_bytes"], v["time"] / base["time"])
                      for n, v in by.items() if n.startswith(prefix) and "time" in v and "peak_bytes" in v)
         if pts:
