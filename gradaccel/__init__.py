@@ -9,7 +9,8 @@
   accelerate loop on gradaccel's accumulation, clipping and checkpoint.
 - :func:`gradaccel.fit.fit` (``python -m gradaccel.fit``): micro-batch, accumulation and every
   block's plan for a memory target, predicted on fake tensors before the first step.
-  ``checkpoint_blocks(model, memory="6GiB")`` splits one budget across the blocks.
+  ``checkpoint_blocks(model, memory="6GiB")`` plans one step to a memory target, below the
+  per-block floor too (:mod:`gradaccel.frontier`).
 - :mod:`gradaccel.ops`: the fused accumulate kernels (C++ on CPU, Triton on CUDA).
 """
 

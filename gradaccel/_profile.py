@@ -126,7 +126,8 @@ class Kind:
             return self.plan_at(budget)
         steps = set(plan.steps)
         replay = sum(self.graph.storages[s].nbytes for i in steps for s, _ in self.graph.ops[i].new_storages)
-        copy = offload_cost_per_byte(next(iter(self.graph.devices), torch.device("cpu"))) * plan.offloaded_bytes
+        device = next(iter(self.graph.devices), torch.device("cpu"))
+        copy = offload_cost_per_byte(device, self.graph.cost) * plan.offloaded_bytes
         return Point(budget, plan.kept_bytes, plan.cost + copy, plan.recompute_flops, replay, plan,
                      host=plan.offloaded_bytes)
 

@@ -32,12 +32,13 @@ def _checkpointed_forward(self, *args, **kwargs):
     forward = super(type(self)._gradaccel_subclass, self).forward
     # Eval, no_grad and inference need no backward, so nothing to recompute: run as is (this also
     # keeps a KV cache that a recompute would otherwise update twice).
-    if not (self.training and torch.is_grad_enabled()):
+    if not (self.training and torch.is_grad_enabled()) or self.__dict__.get("_gradaccel_fine"):
+        # (memory= below the per-block floor checkpoints the block's parts instead: frontier.py)
         return forward(*args, **kwargs)
     # Keyword arguments go in through partial so that names such as `use_reentrant` or `budget`
     # reach the block, not checkpoint.
     return checkpoint(functools.partial(forward, **kwargs), *args, budget=self._gradaccel_budget,
-                      cost=getattr(self, "_gradaccel_cost", "flops"))
+                      cost=getattr(self, "_gradaccel_cost", "flops"), offload=getattr(self, "_gradaccel_offload", False))
 
 
 def _reduce_ex(self, protocol):
@@ -102,8 +103,8 @@ def _already_checkpointed(model, hf_models=()):
 class _HFCheckpoint:
     """The ``gradient_checkpointing_func`` handed to transformers: gradaccel.checkpoint at ``budget``."""
 
-    def __init__(self, budget, cost="flops"):
-        self.budget, self.cost = budget, cost
+    def __init__(self, budget, cost="flops", offload=False):
+        self.budget, self.cost, self.offload = budget, cost, offload
 
     def __call__(self, function, *args, **kwargs):
         layer = None
@@ -117,9 +118,11 @@ class _HFCheckpoint:
             method = types.MethodType(function.func, layer)
             function = functools.partial(method, *function.args[1:], **function.keywords)
         kwargs.pop("use_reentrant", None)  # gradaccel is always non-reentrant
+        if layer is not None and layer.__dict__.get("_gradaccel_fine"):
+            return function(*args, **kwargs)  # memory= checkpoints its parts instead (gradaccel/frontier.py)
         # checkpoint_blocks(memory=...) gives each layer its own share, in bytes.
         return checkpoint(function, *args, budget=getattr(layer, "_gradaccel_budget", self.budget), cost=self.cost,
-                          **kwargs)
+                          offload=getattr(layer, "_gradaccel_offload", self.offload), **kwargs)
 
     def __repr__(self):
         return f"gradaccel.checkpoint(budget={self.budget!r})"
@@ -156,10 +159,10 @@ def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=N
                                            every_n_layers=every_n_layers)
 
 
-def _take_over(model, budget, cost="flops"):
+def _take_over(model, budget, cost="flops", offload=False):
     """Makes ``model``'s HF checkpointing gradaccel's, now (keeping which layers are on, e.g.
     ``every_n_layers``) and whenever it is turned on again. Returns whether it was on."""
-    func = _HFCheckpoint(budget, cost)
+    func = _HFCheckpoint(budget, cost, offload)
     model._gradaccel_checkpoint = func
     if "_set_gradient_checkpointing" not in vars(model):  # ours once; another instance override is left alone
         model._set_gradient_checkpointing = types.MethodType(_set_gradient_checkpointing, model)
@@ -204,7 +207,7 @@ def set_budget(model, budget):
     n = 0
     for m in model.modules():
         if "_gradaccel_checkpoint" in vars(m):
-            _take_over(m, budget, m._gradaccel_checkpoint.cost)
+            _take_over(m, budget, m._gradaccel_checkpoint.cost, m._gradaccel_checkpoint.offload)
             n += 1
         elif "_gradaccel_budget" in vars(m) and getattr(type(m), "_gradaccel_subclass", None) is None:
             del m._gradaccel_budget  # an HF layer's share from memory=: the model's budget applies again
@@ -214,8 +217,8 @@ def set_budget(model, budget):
     return n
 
 
-def _hf_enable(model, budget, cost="flops"):
-    _take_over(model, budget, cost)
+def _hf_enable(model, budget, cost="flops", offload=False):
+    _take_over(model, budget, cost, offload)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=model._gradaccel_checkpoint)
     # As transformers does: checkpointed blocks fed by frozen embeddings (adapters, PEFT) must
     # still see inputs that require grad, or nothing upstream of the first block gets a gradient.
@@ -295,7 +298,7 @@ def _find_blocks(model):
     return blocks
 
 
-def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="flops"):
+def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="flops", offload=False):
     """Checkpoint each repeated block of ``model`` in place, through ``gradaccel.checkpoint``.
 
     In training mode with grad enabled, each block's forward runs inside
@@ -330,21 +333,26 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
 
     Args:
         model (nn.Module): the model, changed in place.
-        budget (None | float | int): per block, as in ``gradaccel.checkpoint``: ``None`` or ``0.0``
-            keeps nothing inside a block (same memory as ``torch.utils.checkpoint``); a float in
-            ``(0, 1]`` the fraction of the block's activation bytes that may be kept; an int that
-            many bytes per block.
+        budget (None | float | int): per block, as :func:`gradaccel.checkpoint` defines it (``None``
+            keeps nothing inside a block: ``torch.utils.checkpoint``'s memory).
         block_types (None | type | str | sequence of them): block classes, or class names such as
             ``"LlamaDecoderLayer"``. Must be None for Hugging Face models that support
             gradient checkpointing (their own hook picks the layers).
-        memory (None | int | str): instead of ``budget``, one activation budget for all the blocks
-            together, in bytes or as a string such as ``"6GiB"``: the bytes the blocks may keep in
-            total, on top of each block's input (which any checkpoint keeps). At the first training
-            call for an input shape, every block kind is traced on fake tensors and the total is
-            split so that the whole model's recompute is least (see ``gradaccel.fit.split_memory``):
-            identical blocks get equal shares, blocks that differ get what suits them.
+        memory (None | int | str): instead of ``budget``, one memory target for the training step,
+            in bytes or as a string such as ``"6GiB"``: the most bytes one forward and backward
+            may add above what exists before it (activations held for backward, backward's working
+            set and the parameters' gradients, as ``gradaccel.memory.LiveBytes`` counts them). At
+            the first training call for an input shape the model is profiled on fake tensors and
+            the plan with the least recompute whose peak fits is chosen: a split of kept bytes
+            across blocks (knapsack, ``gradaccel.fit.split_memory``: identical blocks get equal
+            shares), or below what per-block plans reach, each block's parts as their own
+            checkpoints and/or a causal LM's loss computed in chunks without logits held for
+            backward (see gradaccel/frontier.py). ``model.train()`` with a loss the model
+            computes (``labels``) is what is profiled; for a plain module, its output summed.
         cost ("flops" | "measured" | callable): the recompute cost model, as in
             :func:`gradaccel.checkpoint`.
+        offload (bool): as in :func:`gradaccel.checkpoint`: what a block's budget leaves out may
+            go to host memory where copying beats recomputing (``gradaccel.fit`` proposes it).
 
     Returns:
         nn.Module: ``model`` itself.
@@ -365,6 +373,8 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
         budget = 0  # keep nothing until the first training call splits memory across the blocks
     _check_budget(budget)
     check_cost(cost)
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload must be a bool, got {offload!r}")
     if block_types is not None:
         block_types = _resolve_types(block_types)
     hf = _hf_models(model) if block_types is None or _is_hf_checkpointable(model) else []
@@ -380,8 +390,8 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
         for m in hf:
             # Already on (peft's prepare_model_for_kbit_training, Trainer, TRL): take over HF's
             # function in place, keeping which layers are on; else turn it on with ours.
-            if not _take_over(m, budget, cost):
-                _hf_enable(m, budget, cost)
+            if not _take_over(m, budget, cost, offload):
+                _hf_enable(m, budget, cost, offload)
             elif getattr(m, "main_input_name", None) == "input_ids" or getattr(m, "_hf_peft_config_loaded", False):
                 if not getattr(m, "_require_grads_hooks", None) and not getattr(m, "_require_grads_hook", None):
                     m.enable_input_require_grads()
@@ -402,13 +412,14 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
     # A module listed twice (shared weights) is still one block: swap its class once.
     for block in {id(b): b for b in blocks}.values():
         block.__class__ = _subclass_for(type(block))
-        block._gradaccel_budget, block._gradaccel_cost = budget, cost
+        block._gradaccel_budget, block._gradaccel_cost, block._gradaccel_offload = budget, cost, offload
     return _split_on_call(model, memory)
 
 
 def _split_on_call(model, memory):
     if memory is not None:
-        from gradaccel.fit import MemorySplit
+        from gradaccel._profile import find_blocks
+        from gradaccel.frontier import MemoryTarget
 
-        model.register_forward_pre_hook(MemorySplit(memory), with_kwargs=True)
+        model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model), with_kwargs=True)
     return model

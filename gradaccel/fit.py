@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import json
 import sys
-import threading
 
 import numpy as np
 import torch
@@ -85,42 +84,6 @@ def split_memory(kinds, memory: int, units: int = 4096) -> list:
     return out[::-1]
 
 
-_busy = threading.local()
-
-
-class MemorySplit:
-    """``checkpoint_blocks(memory=...)``'s forward pre-hook: at the first training call for an
-    input shape, traces each block kind on fake tensors and gives every block its share."""
-
-    def __init__(self, memory: int):
-        self.memory = memory
-        self.seen = {}
-
-    def __call__(self, module, args, kwargs):
-        if getattr(_busy, "on", False) or not (module.training and torch.is_grad_enabled()):
-            return None
-        flat = torch.utils._pytree.tree_flatten((args, kwargs))[0]
-        key = tuple((tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor))
-        if key not in self.seen:
-            _busy.on = True
-            try:
-                prof = Profile(module, _call, (args, kwargs), grad_hooks=False, skeleton=False)
-            finally:
-                _busy.on = False
-                torch.clear_autocast_cache()  # the fake forward must leave no cast weights behind
-            points = split_memory([(k.frontier, len(k.blocks)) for k in prof.kinds], self.memory)
-            chosen = {id(k): p for k, p in zip(prof.kinds, points)}
-            self.seen[key] = [chosen[id(prof.kind_of[i])].budget for i in range(len(prof.blocks))]
-        for block, budget in zip(find_blocks(module), self.seen[key]):
-            block._gradaccel_budget = budget
-        return None
-
-
-def _call(model, batch):
-    args, kwargs = batch
-    return model(*args, **kwargs)
-
-
 # -- predicting one configuration ---------------------------------------------------------------
 @dataclasses.dataclass
 class Fit:
@@ -152,11 +115,7 @@ class Fit:
         from gradaccel.blocks import checkpoint_blocks
         from gradaccel.optimizer import FusedAccumOptimizer
 
-        if self.offload:
-            raise ValueError("this plan offloads (offload=True), which checkpoint_blocks cannot apply yet: call "
-                             "gradaccel.checkpoint(block, *args, budget=b, offload=True) per block with b from "
-                             "budgets, or apply the main plan (the Fit that lists this one in options)")
-        checkpoint_blocks(model, budget=1)
+        checkpoint_blocks(model, offload=self.offload)
         blocks = find_blocks(model)
         if len(blocks) != len(self.budgets):
             raise ValueError(f"model has {len(blocks)} blocks, the fit was made for {len(self.budgets)}")

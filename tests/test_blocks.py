@@ -210,6 +210,15 @@ def test_bad_budget_raises(budget):
     assert not any(_is_checkpointed(m) for m in model.modules())
 
 
+def test_offload_passes_through_and_is_checked():
+    model = Net()
+    with pytest.raises(TypeError, match="offload"):
+        checkpoint_blocks(model, offload="yes")
+    assert not any(_is_checkpointed(m) for m in model.modules())
+    checkpoint_blocks(model, budget=0.5, offload=True)
+    assert all(m._gradaccel_offload for m in model.modules() if _is_checkpointed(m))
+
+
 @pytest.mark.parametrize("block_types", [3, [Block, 3], [], [int]])
 def test_bad_block_types_raises(block_types):
     with pytest.raises((TypeError, ValueError), match="block_types"):
