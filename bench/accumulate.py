@@ -22,11 +22,10 @@ device-to-device ``copy_`` of an fp32 buffer of the same size measured in the sa
 (``torch-copy``, 8 B per element).
 """
 
-import os
 
 import torch
 
-from bench.common import progress, row, time_interleaved, tiny
+from bench.common import progress, pyplot, row, save_figure, time_interleaved, tiny
 from gradaccel import ops
 
 SUITE = "accumulate"
@@ -176,9 +175,7 @@ def run(device: str, quick: bool) -> list[dict]:
 def plot(rows: list[dict], out_dir: str) -> list[str]:
     """Bars of bytes moved per parameter and of time relative to the baseline per case; on CUDA,
     GB/s per variant against the copy bandwidth. Returns the PNG paths."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in rows if r["suite"] == SUITE]
     cases = list(dict.fromkeys(r["case"] for r in rows))
@@ -203,9 +200,7 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
                 ax.legend(fontsize=8)
         fig.suptitle(title)
         fig.tight_layout()
-        path = os.path.join(out_dir, fname)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        path = save_figure(fig, out_dir, fname, dpi=100)
         paths.append(path)
 
     bars("bytes_per_param", "bytes moved per parameter (B)", "Memory traffic per parameter",

@@ -18,14 +18,13 @@ Hugging Face's ``offload=True`` does) copies every one, synchronously. On CPU, "
 same memory: there the offload points show the mechanism's cost, not a memory saving.
 """
 
-import os
 
 import torch
 import torch.utils.checkpoint as tc
 from torch.utils.flop_counter import FlopCounterMode
 
 import gradaccel
-from bench.common import progress, row, time_interleaved, tiny
+from bench.common import progress, pyplot, row, save_figure, time_interleaved, tiny
 from bench.models import Block, GPTConfig
 from gradaccel.measure import StorageLog, held_activation_bytes
 
@@ -130,10 +129,7 @@ def run(device: str, quick: bool) -> list[dict]:
 
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     paths = []
     by = {}
@@ -167,8 +163,6 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        path = os.path.join(out_dir, name)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        path = save_figure(fig, out_dir, name)
         paths.append(path)
     return paths

@@ -82,3 +82,23 @@ def tiny() -> bool:
     too small to mean anything; only the code paths, the rows and the plots are checked.
     """
     return os.environ.get(TINY_ENV, "") not in ("", "0")
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: figures go to files, no display is needed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, out_dir: str, name: str, dpi: int = 120) -> str:
+    """Writes ``fig`` to ``out_dir/name``, closes it, and returns the path."""
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path

@@ -36,7 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.common import progress, row, time_interleaved, tiny
+from bench.common import progress, pyplot, row, save_figure, time_interleaved, tiny
 from bench.models import GPT, GPTConfig
 
 SUITE = "distributed"
@@ -237,9 +237,7 @@ def run(device: str, quick: bool) -> list[dict]:
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:
     """Per case: window time relative to stock FSDP2, gradient bytes held, bytes sent per window."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     rows = [r for r in rows if r["suite"] == SUITE]
     paths = []
     for case in dict.fromkeys(r["case"] for r in rows):
@@ -255,8 +253,6 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
             ax.set_ylabel(label)
         fig.suptitle(f"distributed {case} ({WORLD} ranks)")
         fig.tight_layout()
-        path = os.path.join(out_dir, f"distributed_{case}.png")
-        fig.savefig(path)
-        plt.close(fig)
+        path = save_figure(fig, out_dir, f"distributed_{case}.png", dpi=100)
         paths.append(path)
     return paths

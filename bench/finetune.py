@@ -17,14 +17,13 @@ storage, after the plan is made), ``grad_memory`` (gradient bytes held between m
 
 from __future__ import annotations
 
-import os
 import tempfile
 import warnings
 
 import torch
 
 from bench import common
-from bench.common import row, time_interleaved
+from bench.common import pyplot, row, save_figure, time_interleaved
 
 SUITE = "finetune"
 BASELINE = "torch"
@@ -170,9 +169,7 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     Returns:
         the paths written.
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     curves: dict[str, list[tuple[int, float]]] = {}
     case = ""
@@ -191,7 +188,5 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = os.path.join(out_dir, f"finetune_loss_{case}.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = save_figure(fig, out_dir, f"finetune_loss_{case}.png")
     return [path]

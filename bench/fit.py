@@ -20,7 +20,7 @@ On CUDA the measured variant is also taken with ``torch.cuda.max_memory_allocate
 import torch
 
 import gradaccel
-from bench.common import progress, row, tiny
+from bench.common import progress, pyplot, row, save_figure, tiny
 from gradaccel.fit import Planner, find_blocks, hf_step
 from gradaccel.memory import measured_peak
 
@@ -190,12 +190,7 @@ def _split_rows(device: str) -> list[dict]:
 
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:
-    import os
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     by = {}
     for r in rows:
@@ -215,9 +210,7 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = os.path.join(out_dir, "fit_predicted_vs_measured.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = save_figure(fig, out_dir, "fit_predicted_vs_measured.png")
     return [path]
 
 

@@ -31,7 +31,7 @@ import time
 import torch
 
 import gradaccel
-from bench.common import progress, row, time_interleaved, tiny
+from bench.common import progress, pyplot, row, save_figure, time_interleaved, tiny
 
 SUITE = "frontier"
 BASELINE = "torch-nockpt"
@@ -178,12 +178,7 @@ def run(device: str, quick: bool) -> list[dict]:
 
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:
-    import os
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     by = {}
     for r in rows:
@@ -204,7 +199,5 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = os.path.join(out_dir, "frontier.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = save_figure(fig, out_dir, "frontier.png")
     return [path]
