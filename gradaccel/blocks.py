@@ -20,7 +20,7 @@ import torch.nn as nn
 
 # The budget rule is gradaccel.checkpoint's own, checked here too so that a bad value fails at
 # set-up rather than in the middle of the first training step.
-from gradaccel.checkpoint import _check_budget, check_cost, checkpoint
+from gradaccel.checkpoint import _check_budget, _checkpoint, check_cost
 
 __all__ = ["checkpoint_blocks", "set_budget", "release"]
 
@@ -37,8 +37,8 @@ def _checkpointed_forward(self, *args, **kwargs):
         return forward(*args, **kwargs)
     # Keyword arguments go in through partial so that names such as `use_reentrant` or `budget`
     # reach the block, not checkpoint.
-    return checkpoint(functools.partial(forward, **kwargs), *args, budget=self._gradaccel_budget,
-                      cost=getattr(self, "_gradaccel_cost", "flops"), offload=getattr(self, "_gradaccel_offload", False))
+    return _checkpoint(functools.partial(forward, **kwargs), args, {}, self._gradaccel_budget,
+                       cost=getattr(self, "_gradaccel_cost", "flops"), offload=getattr(self, "_gradaccel_offload", False))
 
 
 def _reduce_ex(self, protocol):
@@ -118,11 +118,12 @@ class _HFCheckpoint:
             method = types.MethodType(function.func, layer)
             function = functools.partial(method, *function.args[1:], **function.keywords)
         kwargs.pop("use_reentrant", None)  # gradaccel is always non-reentrant
+        preserve_rng_state = kwargs.pop("preserve_rng_state", True)
         if layer is not None and layer.__dict__.get("_gradaccel_fine"):
             return function(*args, **kwargs)  # memory= checkpoints its parts instead (gradaccel/frontier.py)
         # checkpoint_blocks(memory=...) gives each layer its own share, in bytes.
-        return checkpoint(function, *args, budget=getattr(layer, "_gradaccel_budget", self.budget), cost=self.cost,
-                          offload=getattr(layer, "_gradaccel_offload", self.offload), **kwargs)
+        return _checkpoint(function, args, kwargs, getattr(layer, "_gradaccel_budget", self.budget),
+                           preserve_rng_state, cost=self.cost, offload=getattr(layer, "_gradaccel_offload", self.offload))
 
     def __repr__(self):
         return f"gradaccel.checkpoint(budget={self.budget!r})"

@@ -54,8 +54,9 @@ def _warn_once(tag: str, message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def _check_budget(budget):
-    """``None``/``0.0``; a float in (0, 1]; a non-negative ``int`` of bytes. Else ValueError."""
+def _check_budget(budget, warn=True):
+    """``None``/``0.0``; a float in (0, 1]; a non-negative ``int`` of bytes. Else ValueError.
+    ``warn``: where the user wrote the budget (not a share that ``memory=`` chose)."""
     if budget is None:
         return 0.0
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
@@ -64,7 +65,7 @@ def _check_budget(budget):
         raise ValueError(f"budget as a fraction must lie in [0, 1], got {budget!r}")
     if isinstance(budget, int) and budget < 0:
         raise ValueError(f"budget in bytes must be >= 0, got {budget!r}")
-    if isinstance(budget, int) and 0 < budget < 1024 and budget not in _WARNED_SMALL:
+    if warn and isinstance(budget, int) and 0 < budget < 1024 and budget not in _WARNED_SMALL:
         # budget=1 reads like "everything" but an int is bytes: say so once, loudly.
         _WARNED_SMALL.add(budget)
         warnings.warn(f"budget={budget!r} is an int, so it means {budget} bytes per region (keep almost "
@@ -287,7 +288,15 @@ def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentr
             a negative, NaN, infinite or non-number value.
         TypeError: ``cost`` is neither a string nor a hashable callable.
     """
-    budget = _check_budget(budget)
+    _check_budget(budget)
+    return _checkpoint(function, args, kwargs, budget, preserve_rng_state, use_reentrant, offload, host_budget, cost)
+
+
+def _checkpoint(function, args, kwargs, budget, preserve_rng_state=True, use_reentrant=None, offload=False,
+                host_budget=None, cost="flops"):
+    """:func:`checkpoint`, for callers that checked ``budget`` where it was set (checkpoint_blocks'
+    blocks): a small int budget chosen by ``memory=`` is not warned about as if the user wrote it."""
+    budget = _check_budget(budget, warn=False)
     cost = check_cost(cost)
     if not isinstance(offload, bool):
         raise ValueError(f"offload must be True or False, got {offload!r}")

@@ -210,6 +210,23 @@ def test_bad_budget_raises(budget):
     assert not any(_is_checkpointed(m) for m in model.modules())
 
 
+def test_a_small_int_budget_is_warned_where_the_user_wrote_it():
+    import sys
+    import warnings
+
+    ckpt = sys.modules["gradaccel.checkpoint"]  # the module, not the function of that name
+    ckpt._WARNED_SMALL.clear()
+    model = Net()
+    with pytest.warns(UserWarning, match="is an int"):
+        checkpoint_blocks(model, budget=3)
+    # Per call, the blocks' budgets (the user's, or memory='s shares) are not warned about again.
+    ckpt._WARNED_SMALL.clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*is an int")
+        _run(model, torch.randn(4, 5))
+        _run(model, torch.randn(4, 5))
+
+
 def test_offload_passes_through_and_is_checked():
     model = Net()
     with pytest.raises(TypeError, match="offload"):
