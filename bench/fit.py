@@ -126,33 +126,20 @@ class _Stack(torch.nn.Module):
         return x
 
 
-def _floor(model, x) -> int:
-    """The step peak of ``model`` with every block at its keep-least plan, as predicted by
-    ``checkpoint_blocks(memory=...)`` (a step-peak target): what ``memory`` adds kept bytes to."""
-    import warnings
-
-    from gradaccel.frontier import MemoryTarget
-
-    gradaccel.checkpoint_blocks(model, memory=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model(x)
-    target = next(h for h in model._forward_pre_hooks.values() if isinstance(h, MemoryTarget))
-    return next(iter(target.chosen.values()))[2]
-
-
 def _split_rows(device: str) -> list[dict]:
-    """One budget for blocks that differ: GPT blocks with 1 and 8 attention heads alternating
-    (8 heads hold 8x the attention scores). ``checkpoint_blocks(memory=floor + M)`` against every block
-    at the fraction ``M / total``, which bounds the same total: bytes kept and recompute FLOPs
-    (the backward's FLOPs beyond those of the backward without checkpointing), measured."""
+    """One memory target for blocks that differ: GPT blocks with 1 and 8 attention heads
+    alternating (8 heads hold 8x the attention scores). Every block at the fraction 0.3, against
+    ``checkpoint_blocks(memory=P)`` with ``P`` the step peak that the fraction measured: at the
+    same memory, the recompute FLOPs (the backward's FLOPs beyond those without checkpointing)
+    and the step peak (``gradaccel.memory.LiveBytes``, gradients included), both measured."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from bench.models import Block, GPTConfig
+    from gradaccel.memory import LiveBytes
 
     T, C = (32, 32) if tiny() else (256, 128)
     heads = (1, 8, 1, 8)
-    case = f"gpt4x(T{T},C{C},heads {'/'.join(map(str, heads))}) memory=0.3"
+    case = f"gpt4x(T{T},C{C},heads {'/'.join(map(str, heads))}) at fraction 0.3's peak"
     progress(case)
 
     def make():
@@ -161,31 +148,27 @@ def _split_rows(device: str) -> list[dict]:
 
     x = torch.randn(2, T, C, device=device, requires_grad=True)
 
-    def backward_flops(model):
-        model(x).square().mean().backward()  # traces and plans; the next call runs the plans
-        with FlopCounterMode(display=False) as counter:
-            loss = model(x).square().mean()
+    def measure(model):
+        """(backward FLOPs, step peak) of a planned step (the first call traces and plans)."""
+        model(x).sum().backward()
+        for t in [x, *model.parameters()]:
+            t.grad = None
+        with LiveBytes() as live, FlopCounterMode(display=False) as counter:
+            loss = model(x).sum()  # what memory= profiles a plain module's step with
             before = counter.get_total_flops()
             loss.backward()
-        return counter.get_total_flops() - before
+        return counter.get_total_flops() - before, live.peak
 
-    base = backward_flops(make())
-    total = 0
-    for b in make().blocks:
-        from gradaccel.measure import held_activation_bytes
-
-        total += held_activation_bytes(b, x)[1]
-    memory = int(0.3 * total)
-    rows = []
-    for name, kwargs in (("gradaccel-memory-split", {"memory": _floor(make(), x) + memory}),
-                         ("gradaccel-equal-fraction", {"budget": memory / total})):
-        gradaccel.reset_plans()
-        model = gradaccel.checkpoint_blocks(make(), **kwargs)
-        flops = backward_flops(model)
-        kept = sum(r["kept_bytes"] for r in gradaccel.plan_rows() if r["mode"] == "selective")
-        rows.append(row(SUITE, case, name, "recompute_flops", flops - base, "FLOP", device))
-        rows.append(row(SUITE, case, name, "held_bytes", kept, "B", device))
-    rows.append(row(SUITE, case, "torch-nockpt", "held_bytes", total, "B", device))
+    base_flops, base_peak = measure(make())
+    rows = [row(SUITE, case, "torch-nockpt", "peak_bytes", base_peak, "B", device)]
+    gradaccel.reset_plans()
+    flops, peak = measure(gradaccel.checkpoint_blocks(make(), budget=0.3))
+    rows += [row(SUITE, case, "gradaccel-equal-fraction", "recompute_flops", flops - base_flops, "FLOP", device),
+             row(SUITE, case, "gradaccel-equal-fraction", "peak_bytes", peak, "B", device)]
+    gradaccel.reset_plans()
+    flops, split_peak = measure(gradaccel.checkpoint_blocks(make(), memory=peak))
+    rows += [row(SUITE, case, "gradaccel-memory-split", "recompute_flops", flops - base_flops, "FLOP", device),
+             row(SUITE, case, "gradaccel-memory-split", "peak_bytes", split_peak, "B", device)]
     return rows
 
 

@@ -323,28 +323,42 @@ class MemoryTarget:
 
 
 def _best_split(prof, kinds, memory):
-    """The per-block split with the most kept bytes whose predicted peak fits (bisection)."""
+    """The per-block plans with the least recompute whose predicted peak fits: the knapsack split
+    of kept bytes (``split_memory``), or one fraction for every block, each at the most it can
+    keep within ``memory`` (bisection). The step's peak is not the kept bytes alone (the block
+    being rebuilt adds its working set), so the knapsack's split can lose to a plain fraction."""
     from gradaccel.fit import split_memory
 
-    def points_at(m):
+    def split(m):
         per_kind = {id(k): p for k, p in zip(prof.kinds, split_memory(kinds, m))}
         return [per_kind[id(prof.kind_of[i])] for i in range(len(prof.blocks))]
 
-    lo, hi = 0, sum(f[-1].kept * n for f, n in kinds)
-    best = points_at(0)
-    if prof.predict(points_at(hi))["peak"] <= memory:
-        best = points_at(hi)
-    else:
-        for _ in range(14):
-            if hi - lo <= max(1, hi // 1000):
-                break
-            mid = (lo + hi) // 2
-            pts = points_at(mid)
-            if prof.predict(pts)["peak"] <= memory:
-                lo, best = mid, pts
-            else:
-                hi = mid
+    def fraction(f):
+        kind_of = prof.kind_of
+        return [kind_of[i].plan_at(max(1, int(f * kind_of[i].graph.activation_bytes))) for i in range(len(prof.blocks))]
+
+    candidates = [_most_that_fits(prof, split, sum(f[-1].kept * n for f, n in kinds), memory),
+                  _most_that_fits(prof, fraction, 1.0, memory)]
+    best = min(candidates, key=lambda pts: sum(p.cost for p in pts))
     return best, prof.predict(best)["peak"]
+
+
+def _most_that_fits(prof, points_at, hi, memory):
+    """``points_at(x)`` at the largest ``x`` in [0, hi] whose predicted peak fits (bisection, to
+    1/1000 of ``hi``); ``points_at(0)`` if none does."""
+    lo, best = 0, points_at(0)
+    if prof.predict(points_at(hi))["peak"] <= memory:
+        return points_at(hi)
+    for _ in range(14):
+        if hi - lo <= hi / 1000:
+            break
+        mid = (lo + hi) / 2 if isinstance(hi, float) else (lo + hi) // 2
+        pts = points_at(mid)
+        if prof.predict(pts)["peak"] <= memory:
+            lo, best = mid, pts
+        else:
+            hi = mid
+    return best
 
 
 def _fake_peak(prof, mode, least) -> int:
