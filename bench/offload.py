@@ -19,7 +19,6 @@ measured copy bandwidth (``gradaccel.offload.copy_bandwidth``).
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from bench.common import progress, row, time_interleaved, tiny
+from bench.common import progress, pyplot, row, save_figure, time_interleaved, tiny
 from bench.models import Block, GPTConfig
 from gradaccel.offload import ActivationStore, copy_bandwidth, offload_saved_tensors
 
@@ -136,8 +135,7 @@ def run(device: str, quick: bool) -> list[dict]:
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:
     """One bar chart per case: step time of each variant relative to ``torch-keep``."""
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     paths = []
     cases = sorted({r["case"] for r in rows if r["suite"] == SUITE and r["metric"] == "time"})
     for case in cases:
@@ -150,8 +148,6 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
         ax.set_ylabel(f"step time / {BASELINE}")
         ax.set_title(f"offload {case} ({rows[0]['device']})")
         fig.tight_layout()
-        path = os.path.join(out_dir, f"offload_{case}.png")
-        fig.savefig(path)
-        plt.close(fig)
+        path = save_figure(fig, out_dir, f"offload_{case}.png", dpi=100)
         paths.append(path)
     return paths

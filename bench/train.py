@@ -17,7 +17,6 @@ gradaccel loop (the stock per-micro-batch loop, with the wrapper deciding when t
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 
 import torch
@@ -190,9 +189,7 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     Returns:
         the paths written.
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     device = ""
@@ -214,8 +211,6 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = os.path.join(out_dir, f"train_loss_{case}.png")
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        path = common.save_figure(fig, out_dir, f"train_loss_{case}.png")
         paths.append(path)
     return paths
