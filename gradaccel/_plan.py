@@ -173,6 +173,11 @@ def _rng_restored(state):
         yield
 
 
+def copy_device(graph: Graph) -> torch.device:
+    """The device whose copies to host memory offload prices: the region's GPU, else the CPU."""
+    return next((d for d in graph.devices if d.type == "cuda"), torch.device("cpu"))
+
+
 def offload_cost_per_byte(device: torch.device, cost="flops") -> float:
     """What sending one byte to host memory and back costs, in the units of op costs under the
     cost model ``cost`` (see :func:`gradaccel.checkpoint`), with copy speeds measured once per

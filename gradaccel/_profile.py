@@ -26,7 +26,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_map
 
 from gradaccel._frames import Frame, OffloadFrame, TraceFrame
-from gradaccel._plan import capture_rng, offload_cost_per_byte
+from gradaccel._plan import capture_rng, copy_device, offload_cost_per_byte
 from gradaccel._state import STATE
 from gradaccel._trace import DataReads, Graph
 from gradaccel.checkpoint import _Region, _plain
@@ -126,8 +126,7 @@ class Kind:
             return self.plan_at(budget)
         steps = set(plan.steps)
         replay = sum(self.graph.storages[s].nbytes for i in steps for s, _ in self.graph.ops[i].new_storages)
-        device = next(iter(self.graph.devices), torch.device("cpu"))
-        copy = offload_cost_per_byte(device, self.graph.cost) * plan.offloaded_bytes
+        copy = offload_cost_per_byte(copy_device(self.graph), self.graph.cost) * plan.offloaded_bytes
         return Point(budget, plan.kept_bytes, plan.cost + copy, plan.recompute_flops, replay, plan,
                      host=plan.offloaded_bytes)
 

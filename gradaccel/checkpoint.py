@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel._cost import OpCost, check_cost
 from gradaccel._frames import Frame, OffloadFrame, TraceFrame, store_for
-from gradaccel._plan import Plan, capture_rng, make_plan, offload_cost_per_byte, rng_state_bytes
+from gradaccel._plan import Plan, capture_rng, copy_device, make_plan, offload_cost_per_byte, rng_state_bytes
 from gradaccel._split import active, module_stack, split_off
 from gradaccel._state import STATE
 from gradaccel._storage import storage_key
@@ -101,8 +101,7 @@ class _Region:
     def _plan(self) -> Plan:
         copy_cost = None
         if self.store is not None:
-            device = next((d for d in self.graph.devices if d.type == "cuda"), torch.device("cpu"))
-            copy_cost = offload_cost_per_byte(device, self.graph.cost)
+            copy_cost = offload_cost_per_byte(copy_device(self.graph), self.graph.cost)
         # The saved generator state is held by the region too: it counts against the budget
         # where replay draws random numbers (read only then: a traced device may be fake).
         random = any(op.random and op.replayable for op in self.graph.ops)
