@@ -251,6 +251,34 @@ def test_memory_split_gives_differing_blocks_what_suits_them():
     assert live.peak <= memory
 
 
+@pytest.mark.parametrize("fraction", [0.2, 0.3, 0.5])
+def test_memory_recomputes_no_more_than_a_fraction_at_its_peak(fraction):
+    """memory= set to the step peak that one fraction for every block measured: no higher peak
+    and no more recompute FLOPs than that fraction (the knapsack over kept bytes alone can lose:
+    the peak also holds the working set of the block being rebuilt)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gradaccel.memory import LiveBytes
+
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def measure(model):
+        model(x).sum().backward()  # traces and plans
+        for t in [x, *model.parameters()]:
+            t.grad = None
+        with LiveBytes() as live, FlopCounterMode(display=False) as flops:
+            model(x).sum().backward()
+        return live.peak, flops.get_total_flops()
+
+    torch.manual_seed(0)
+    gradaccel.reset_plans()
+    peak, flops = measure(gradaccel.checkpoint_blocks(_Stack(), budget=fraction))
+    torch.manual_seed(0)
+    gradaccel.reset_plans()
+    split_peak, split_flops = measure(gradaccel.checkpoint_blocks(_Stack(), memory=peak))
+    assert split_peak <= peak and split_flops <= flops, (split_peak, peak, split_flops, flops)
+
+
 def test_parse_bytes_and_live_bytes():
     assert parse_bytes("24GiB") == 24 << 30 and parse_bytes("6 GB") == 6 * 10**9 and parse_bytes(512) == 512
     for bad in ("-1GiB", "lots", -5, True, 1.5):
