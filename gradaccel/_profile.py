@@ -186,6 +186,7 @@ class Profile:
         self.kinds = list(kinds.values())
         self.kind_of = {i: k for k in self.kinds for i in k.blocks}
         self.grad_hooks = grad_hooks
+        self._terms = {}
         self._trace_pass()
         if skeleton:
             self._skeleton_pass()
@@ -346,53 +347,82 @@ class Profile:
         return max(point.kept + point.replay_bytes + point.host + offset, full)
 
     # -- composing a step --------------------------------------------------------------------
+    def step_terms(self, layout: list | None = None) -> dict:
+        """The step's peak as terms that do not depend on the plans, for :meth:`predict` and
+        :func:`gradaccel._split.least_recompute`.
+
+        With block ``i`` under plan ``p_i`` and ``D_i`` the bytes the blocks before ``i`` keep
+        beyond their keep-nothing plans, the peak is the largest of ``fixed``, ``D_i +``
+        :meth:`need` of each block, and ``D_n + head``. Each entry is ``(bytes, phase, bytes the
+        blocks hold, bytes live at the phase's start)`` at keep-nothing plans.
+        """
+        layout = list(range(len(self.blocks))) if layout is None else list(layout)
+        key = tuple(layout)
+        if key in self._terms:
+            return self._terms[key]
+        ph, pre, held = self.phases, self.pre, self.held
+        fixed = [(ph["pre"][1], "pre", 0, ph["pre"][0])]
+        if "tail" in ph:
+            fixed.append((ph["tail"][1], "tail", 0, ph["tail"][0]))
+        H, blocks, fwd, bwd = pre[0], 0, [], []
+        for i, s in enumerate(layout):
+            H += pre[s] - (held[s - 1] if s > 0 else pre[0])
+            fwd.append((H + ph[("fwd", s)][1] - pre[s], ("fwd", i), blocks, H))
+            H += held[s] - pre[s]
+            blocks += held[s] - pre[s]
+            start, peak = ph[("bwd", s)]
+            bwd.append((H + peak - held[s], ("bwd", i), blocks, H + start - held[s]))
+        last = len(self.blocks) - 1
+        head = (H + ph["head"][1] - held[last], "head", blocks, H + ph["head"][0] - held[last])
+        self._terms[key] = {"layout": layout, "fixed": max(fixed, key=_first), "fwd": fwd, "bwd": bwd, "head": head}
+        return self._terms[key]
+
+    def need(self, terms: dict, i: int, point, exact: bool = True) -> tuple:
+        """Block ``i``'s two peaks under ``point`` (its forward, its backward), in bytes above
+        what the blocks before it keep beyond keep-nothing: a plan that keeps ``K`` bytes more
+        than keep-nothing changes its forward and backward by the difference of its standalone
+        peaks (:meth:`block_peak`; when ``exact`` is False, without running blocks:
+        :meth:`block_peak_estimate`, and ``K`` for the forward, which is never less), and adds
+        ``K`` to everything after its forward until its backward (its own backward included)."""
+        kind = self.kind_of[terms["layout"][i]]
+        dk = point.kept - kind.zero.kept
+        if exact:
+            grow = self.block_forward_peak(kind, point) - self.block_forward_peak(kind, kind.zero)
+        else:
+            grow = dk
+        peak_of = self.block_peak if exact else self.block_peak_estimate
+        # Offload: the block's own fetched tensors are in its standalone run (a store that keeps
+        # host copies off the device). The prefetch of the next block's tensors that
+        # OffloadFrame.unpack starts is not added: measured on CPU, the step's peak matched
+        # without it (tests/test_fit.py); not yet checked against a GPU.
+        mine = (peak_of(kind, point) - point.kept) - (peak_of(kind, kind.zero) - kind.zero.kept)
+        return terms["fwd"][i][0] + grow, terms["bwd"][i][0] + dk + mine
+
     def predict(self, points: list, exact: bool = True, layout: list | None = None) -> dict:
         """Peak live bytes of the micro-step (above what existed before it: weights, buffer,
         optimizer state) with block ``i`` under ``points[i]``, and what makes it up.
 
         From the skeleton (every block at the keep-nothing plan) each phase's start and peak;
-        a plan that keeps ``K`` bytes more adds ``K`` to everything after its block's forward
-        until its backward, and changes its own forward and backward by the difference of its
-        standalone peaks (:meth:`block_peak`; when ``exact`` is False, without running blocks:
-        :meth:`block_peak_estimate`, and ``K`` for the forward, which is never less).
-        ``layout[i]`` is the profiled block that block ``i`` repeats, for a model profiled with
-        fewer blocks than it has (the default: block ``i`` is profiled block ``i``).
+        each block's plan changes them as :meth:`need` says. ``layout[i]`` is the profiled
+        block that block ``i`` repeats, for a model profiled with fewer blocks than it has (the
+        default: block ``i`` is profiled block ``i``).
 
         Returns:
             dict: ``peak`` and where it is (``phase``); what is live when that phase starts:
             ``blocks`` (bytes the blocks hold), ``outside`` (other activations and gradients);
             ``transient`` (the rest: the phase's own working set).
         """
-        layout = list(range(len(points))) if layout is None else layout
-        peak_of = self.block_peak if exact else self.block_peak_estimate
-        ph, pre, held = self.phases, self.pre, self.held
-        best = (ph["pre"][1], "pre", 0, ph["pre"][0])
-        H, blocks, after = pre[0], 0, []
-        for i, s in enumerate(layout):
-            kind, p = self.kind_of[s], points[i]
-            dk = p.kept - kind.zero.kept
-            H += pre[s] - (held[s - 1] if s > 0 else pre[0])
-            grow = (self.block_forward_peak(kind, p) - self.block_forward_peak(kind, kind.zero)) if exact else dk
-            best = max(best, (H + ph[("fwd", s)][1] - pre[s] + grow, ("fwd", i), blocks, H), key=_first)
-            H += held[s] - pre[s] + dk
-            blocks += held[s] - pre[s] + dk
-            after.append((H, blocks))
-        last = len(self.blocks) - 1
-        start = H + ph["head"][0] - held[last]
-        best = max(best, (H + ph["head"][1] - held[last], "head", blocks, start), key=_first)
-        for i in reversed(range(len(layout))):
-            s, p = layout[i], points[i]
-            kind = self.kind_of[s]
-            H, blocks = after[i]
-            start, bwd_peak = ph[("bwd", s)]
-            mine = (peak_of(kind, p) - p.kept) - (peak_of(kind, kind.zero) - kind.zero.kept)
-            # Offload: the block's own fetched tensors are in its standalone run (a store that
-            # keeps host copies off the device). The prefetch of the next block's tensors that
-            # OffloadFrame.unpack starts is not added: measured on CPU, the step's peak matched
-            # without it (tests/test_fit.py); not yet checked against a GPU.
-            best = max(best, (H + bwd_peak - held[s] + mine, ("bwd", i), blocks, H + start - held[s]), key=_first)
-        if "tail" in ph:
-            best = max(best, (ph["tail"][1], "tail", 0, ph["tail"][0]), key=_first)
+        terms = self.step_terms(layout)
+        best, D = terms["fixed"], 0  # D: bytes the blocks so far keep beyond keep-nothing
+        for i, p in enumerate(points):
+            dk = p.kept - self.kind_of[terms["layout"][i]].zero.kept
+            fwd, bwd = self.need(terms, i, p, exact)
+            # In its backward, a block's own extra kept bytes are live at the phase's start.
+            for value, (_, phase, blocks, start), held in ((fwd, terms["fwd"][i], D), (bwd, terms["bwd"][i], D + dk)):
+                best = max(best, (value + D, phase, blocks + held, start + held), key=_first)
+            D += dk
+        value, phase, blocks, start = terms["head"]
+        best = max(best, (value + D, phase, blocks + D, start + D), key=_first)
         value, phase, blocks, start = best
         return {"peak": value, "phase": phase, "blocks": blocks, "outside": max(0, start - blocks),
                 "transient": max(0, value - max(start, blocks))}

@@ -25,63 +25,19 @@ import functools
 import json
 import sys
 
-import numpy as np
 import torch
 import torch.nn as nn
 
 from gradaccel._fitparts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
                                  load_config, static_parts)
+from gradaccel._knapsack import least_peak, least_recompute
 from gradaccel._presets import PRESETS
 from gradaccel._profile import Profile, find_blocks
 from gradaccel._trace import FLOPS_PER_BYTE
 from gradaccel.memory import format_bytes, parse_bytes
 
-__all__ = ["fit", "estimate", "split_memory", "Fit", "Planner", "PRESETS"]
+__all__ = ["fit", "estimate", "Fit", "Planner", "PRESETS"]
 
-
-
-# -- one activation budget, split across blocks -------------------------------------------------
-def split_memory(kinds, memory: int, units: int = 4096) -> list:
-    """Picks one plan per block kind so that total recompute is least and the bytes kept fit.
-
-    A multiple-choice knapsack over the kinds' plan frontiers (identical blocks share a plan,
-    so they get equal shares), with bytes rounded up to ``memory / units``: what it returns
-    keeps at most ``memory`` bytes in total.
-
-    Args:
-        kinds: ``(frontier, count)`` pairs; a frontier lists points with ``kept`` bytes and
-            ``cost``, the first keeping least (gradaccel._profile.Point).
-        memory: bytes the blocks may keep in total.
-
-    Returns:
-        list: the chosen point of each kind.
-    """
-    unit = max(1, memory // units)
-    cap = memory // unit
-    inf = float("inf")
-    best = np.zeros(cap + 1)
-    choices = []
-    for frontier, count in kinds:
-        new = np.full(cap + 1, inf)
-        pick = np.zeros(cap + 1, dtype=np.int64)
-        for j, p in enumerate(frontier):
-            w = -(-p.kept * count // unit)
-            if w > cap:
-                continue
-            cand = np.full(cap + 1, inf)
-            cand[w:] = best[:cap + 1 - w] + p.cost * count
-            better = cand < new
-            new[better], pick[better] = cand[better], j
-        best = new
-        choices.append(pick)
-    if not np.isfinite(best[cap]):
-        return [f[0] for f, _ in kinds]  # even keeping least does not fit: keep least
-    out, u = [], cap
-    for (frontier, count), pick in zip(reversed(kinds), reversed(choices)):
-        p = frontier[int(pick[u])]
-        out.append(p)
-        u -= -(-p.kept * count // unit)
-    return out[::-1]
 
 
 # -- predicting one configuration ---------------------------------------------------------------
@@ -210,35 +166,35 @@ class Planner:
             self.profiles[(seq, micro_batch)] = Profile(self.profiled, step, batch)
         return self.profiles[(seq, micro_batch)]
 
-    def expand(self, prof, chosen: dict) -> list:
-        """Per block of the model, the point of its kind (``chosen``: kind id -> point)."""
+    def fronts(self, prof, offload=False) -> list:
+        """Per block of the model, its kind's plans (``offload``: those with offload)."""
         layout = self.layout or range(len(prof.blocks))
-        return [chosen[id(prof.kind_of[s])] for s in layout]
-
-    def kinds(self, prof) -> list:
-        layout = self.layout or range(len(prof.blocks))
-        counts = {}
-        for s in layout:
-            counts[id(prof.kind_of[s])] = counts.get(id(prof.kind_of[s]), 0) + 1
-        return [(k, counts[id(k)]) for k in prof.kinds if id(k) in counts]
+        return [prof.kind_of[s].offload_frontier if offload else prof.kind_of[s].frontier for s in layout]
 
     def predict(self, prof, points, exact=True) -> dict:
         out = prof.predict(points, exact=exact, layout=self.layout)
-        if self.load_in_4bit:  # the 4-bit matmul's backward dequantises one weight at a time
-            out["transient"] += self._largest_linear(prof)
-            out["peak"] += self._largest_linear(prof)
+        out["transient"] += self._dequantised(prof)
+        out["peak"] += self._dequantised(prof)
         return out
+
+    def _dequantised(self, prof) -> int:
+        """The 4-bit matmul's backward dequantises one weight at a time: the largest one."""
+        if not self.load_in_4bit:
+            return 0
+        return max((m.weight.numel() * 2 for b in prof.blocks for m in b.modules() if isinstance(m, nn.Linear)),
+                   default=0)
 
     def estimate(self, seq: int, micro_batch: int, budget=None, offload=False) -> Fit:
         """See :func:`estimate`."""
         prof = self.profile(seq, micro_batch)
-        chosen = {}
-        for kind, _ in self.kinds(prof):
+        chosen = {}  # kind id -> its point: a block of the model repeats a profiled one
+        for kind in prof.kinds:
             b = budget if not isinstance(budget, (list, tuple)) else budget[kind.blocks[0]]
             if b is None or isinstance(b, float):
                 b = max(1, int((b or 0.0) * kind.graph.activation_bytes))
             chosen[id(kind)] = kind.offload_at(b) if offload else kind.plan_at(b)
-        return _evaluate(self, seq, micro_batch, micro_batch, chosen)
+        points = [chosen[id(prof.kind_of[s])] for s in self.layout or range(len(prof.blocks))]
+        return _evaluate(self, seq, micro_batch, micro_batch, points)
 
     def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None) -> Fit:
         """See :func:`fit`."""
@@ -274,10 +230,11 @@ class Planner:
                     off.memory, off.slack = memory, slack
                     best.options.append(off)
             return best
-        kinds = setup.kinds(setup.profile(seq, 1))
-        worst = _evaluate(setup, seq, 1, batch, {id(k): k.frontier[0] for k, _ in kinds})
+        # Nothing fits: the least this step can take, with and without offload, and what would fit.
+        prof = setup.profile(seq, 1)
+        worst, offload = (_evaluate(setup, seq, 1, batch, least_peak(prof, setup.fronts(prof, off), setup.layout))
+                          for off in (False, True))
         worst.memory, worst.slack, worst.fits = memory, slack, False
-        offload = _evaluate(setup, seq, 1, batch, {id(k): k.offload_frontier[0] for k, _ in kinds})
         worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
         fitting = []
         for mb in sorted(sizes):  # offload may fit where nothing else does
@@ -291,10 +248,6 @@ class Planner:
             worst.options.append(off)
         return worst
 
-    def _largest_linear(self, prof) -> int:
-        return max((m.weight.numel() * 2 for b in prof.blocks for m in b.modules() if isinstance(m, nn.Linear)),
-                   default=0)
-
 
 def _checked_loss(loss_fn, model, batch):
     loss = loss_fn(model, batch)
@@ -304,9 +257,9 @@ def _checked_loss(loss_fn, model, batch):
     return loss
 
 
-def _evaluate(setup: Planner, seq, micro_batch, batch, chosen, exact=True) -> Fit:
+def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True) -> Fit:
+    """``points``: the plan of each block of the model."""
     prof = setup.profile(seq, micro_batch)
-    points = setup.expand(prof, chosen)
     pred = setup.predict(prof, points, exact)
     st = setup.static
     step = max(pred["peak"], st.step)
@@ -360,35 +313,13 @@ def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False) ->
     """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes (with
     ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``)."""
     prof = setup.profile(seq, micro_batch)
-    kinds = setup.kinds(prof)
-    front = {id(k): (k.offload_frontier if offload else k.frontier) for k, _ in kinds}
-    least = {id(k): front[id(k)][0] for k, _ in kinds}
-    lo_fit = _evaluate(setup, seq, micro_batch, batch, least, exact=False)
-    if lo_fit.peak > usable:
+    room = usable - setup.static.total - setup._dequantised(prof)  # for the step's activations
+    if setup.static.step > room:
         return None
-
-    def split(m):
-        pts = split_memory([(front[id(k)], n) for k, n in kinds], m)
-        return {id(k): p for (k, _), p in zip(kinds, pts)}
-
-    hi = sum(front[id(k)][-1].kept * n for k, n in kinds)
-    lo, best = 0, least
-    for _ in range(14):  # the most memory the blocks may keep (estimated), by bisection
-        if hi - lo <= max(1, hi // 1000):
-            break
-        mid = (lo + hi) // 2
-        chosen = split(mid)
-        if _evaluate(setup, seq, micro_batch, batch, chosen, exact=False).peak <= usable:
-            lo, best = mid, chosen
-        else:
-            hi = mid
-    for _ in range(6):  # the exact prediction has the last word
-        result = _evaluate(setup, seq, micro_batch, batch, best)
-        if result.peak <= usable or lo == 0:
-            break
-        lo = lo * 3 // 4
-        best = split(lo)
-    result = _evaluate(setup, seq, micro_batch, batch, best)
+    points = least_recompute(prof, setup.fronts(prof, offload), room, layout=setup.layout)
+    if points is None:
+        return None
+    result = _evaluate(setup, seq, micro_batch, batch, points)
     return result if result.peak <= usable else None
 
 
@@ -397,9 +328,9 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
         loss_fn=None) -> Fit:
     """The fastest way to train ``batch`` sequences of ``seq`` tokens per step in ``memory``.
 
-    Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the most
-    activation memory its blocks may keep, split across blocks by :func:`split_memory`, and
-    picks the configuration with the least predicted step time (the planner's cost model:
+    Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the
+    per-block plans with the least recompute whose predicted peak fits (gradaccel/_knapsack.py),
+    and picks the configuration with the least predicted step time (the planner's cost model:
     forward and backward, recompute, and the per-micro-batch fold into the fp32 buffer).
 
     Args:

@@ -8,10 +8,12 @@ training call for an input shape the model is profiled on fake tensors (gradacce
 nothing allocated) and the plan with the least recompute whose peak fits is chosen, from a
 ladder ordered by recompute:
 
-1. **Per-block plans.** The bytes the blocks keep are split across blocks by the knapsack of
-   ``gradaccel.fit.split_memory`` (identical blocks get equal shares); the largest split whose
-   predicted peak (``Profile.predict``) fits is taken. A block whose plan recomputes nothing
-   runs uncheckpointed (the same memory, without the checkpoint's own cost).
+1. **Per-block plans.** Each block's plan is chosen so that total recompute is least and the
+   predicted peak (``Profile.predict``) fits, on the peak's own terms (gradaccel/_knapsack.py:
+   what a block keeps is paid at every later phase, so the last block keeps more, and blocks
+   rebuilt with a larger working set make the blocks before them keep less). A block whose
+   plan recomputes nothing runs uncheckpointed (the same memory, without the checkpoint's
+   own cost).
 2. Below the keep-least per-block plans, a per-block checkpoint's floor is not its block's
    input (that is one hidden state per block) but backward's working set: a block recomputes
    all its activations at once before its backward runs, while every gradient made so far is
@@ -296,17 +298,17 @@ class MemoryTarget:
         set_head(model, "head" in mode)
 
     def _choose(self, module, args, kwargs):
+        from gradaccel._knapsack import least_recompute
         from gradaccel._profile import Profile
 
         prof = Profile(module, _step, (args, kwargs), grad_hooks=False, skeleton=True)
-        kinds = [(k.frontier, len(k.blocks)) for k in prof.kinds]
-        least = [prof.kind_of[i].frontier[0] for i in range(len(prof.blocks))]
+        fronts = [prof.kind_of[i].frontier for i in range(len(prof.blocks))]
+        least = [f[0] for f in fronts]
         floor = prof.predict(least)["peak"]
-        if floor <= self.memory:
-            points, peak = _best_split(prof, kinds, self.memory)
-            budgets = [None if p.cost == 0 and p is prof.kind_of[i].frontier[-1] else p.budget
-                       for i, p in enumerate(points)]
-            return ("blocks", budgets), ("blocks", peak, floor)
+        points = least_recompute(prof, fronts, self.memory) if floor <= self.memory else None
+        if points is not None:
+            budgets = [None if p.cost == 0 and p is f[-1] else p.budget for p, f in zip(points, fronts)]
+            return ("blocks", budgets), ("blocks", prof.predict(points)["peak"], floor)
         tried = []
         for mode in LOW_MEMORY_MODES:
             if "head" in mode and not self.has_head:
@@ -320,45 +322,6 @@ class MemoryTarget:
                       f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors); using that plan. "
                       "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
         return (mode, [p.budget for p in least]), (mode, peak, floor)
-
-
-def _best_split(prof, kinds, memory):
-    """The per-block plans with the least recompute whose predicted peak fits: the knapsack split
-    of kept bytes (``split_memory``), or one fraction for every block, each at the most it can
-    keep within ``memory`` (bisection). The step's peak is not the kept bytes alone (the block
-    being rebuilt adds its working set), so the knapsack's split can lose to a plain fraction."""
-    from gradaccel.fit import split_memory
-
-    def split(m):
-        per_kind = {id(k): p for k, p in zip(prof.kinds, split_memory(kinds, m))}
-        return [per_kind[id(prof.kind_of[i])] for i in range(len(prof.blocks))]
-
-    def fraction(f):
-        kind_of = prof.kind_of
-        return [kind_of[i].plan_at(max(1, int(f * kind_of[i].graph.activation_bytes))) for i in range(len(prof.blocks))]
-
-    candidates = [_most_that_fits(prof, split, sum(f[-1].kept * n for f, n in kinds), memory),
-                  _most_that_fits(prof, fraction, 1.0, memory)]
-    best = min(candidates, key=lambda pts: sum(p.cost for p in pts))
-    return best, prof.predict(best)["peak"]
-
-
-def _most_that_fits(prof, points_at, hi, memory):
-    """``points_at(x)`` at the largest ``x`` in [0, hi] whose predicted peak fits (bisection, to
-    1/1000 of ``hi``); ``points_at(0)`` if none does."""
-    lo, best = 0, points_at(0)
-    if prof.predict(points_at(hi))["peak"] <= memory:
-        return points_at(hi)
-    for _ in range(14):
-        if hi - lo <= hi / 1000:
-            break
-        mid = (lo + hi) / 2 if isinstance(hi, float) else (lo + hi) // 2
-        pts = points_at(mid)
-        if prof.predict(pts)["peak"] <= memory:
-            lo, best = mid, pts
-        else:
-            hi = mid
-    return best
 
 
 def _fake_peak(prof, mode, least) -> int:
