@@ -316,6 +316,11 @@ class Profile:
             plan = KEEP_ALL if point == KEEP_ALL else point.plan
             live, handles = LiveBytes(), self._grad_hooks()
             previous, STATE.previous_offload = STATE.previous_offload, None  # run alone: no neighbour
+            # Gradients are made afresh, as in a step: none left from the last run to add into.
+            leaves = list(block.parameters()) + [t for t in tree_flatten((kind.args, kind.kwargs))[0]
+                                                 if isinstance(t, torch.Tensor)]
+            for t in leaves:
+                t.grad = None
             try:
                 with self.mode, torch.enable_grad(), live:
                     out = _run_plan(forward, plan, kind.args, kind.kwargs)
@@ -327,6 +332,8 @@ class Profile:
                 STATE.previous_offload = previous
                 for h in handles:
                     h.remove()
+                for t in leaves:
+                    t.grad = None
             kind._peaks[key] = (forward_peak, live.peak)
         return kind._peaks[key][1]
 

@@ -167,6 +167,28 @@ def test_least_recompute_is_the_least_recompute_that_fits():
     assert sum(p.cost for p in got) < sum(f[0].cost for f in fronts)
 
 
+def test_block_peak_does_not_depend_on_what_ran_before():
+    """A block run alone makes its gradients afresh, as in a step: a run after another plan's
+    must not add into the gradients that one left (memory='s profile keeps gradients, as a step
+    without a fold does), which would measure them as free."""
+    from _models import Block, GPTConfig
+
+    from gradaccel._profile import Profile
+    from gradaccel.frontier import _step
+
+    torch.manual_seed(0)
+    model = _Stack([Block(GPTConfig(seq_len=64, n_embd=32, n_head=4)) for _ in range(2)])
+    x = torch.randn(2, 64, 32, requires_grad=True)
+    peaks = []
+    for stale in (False, True):
+        prof = Profile(model, _step, ((x,), {}), grad_hooks=False)
+        kind = prof.kind_of[1]
+        for p in prof.blocks[kind.blocks[0]].parameters():
+            p.grad = torch.ones_like(p) if stale else None
+        peaks.append(prof.block_peak(kind, kind.frontier[-2]))  # a plan whose peak has the gradients
+    assert peaks[0] == peaks[1]
+
+
 def test_checkpoint_blocks_memory_splits_one_budget():
     from gradaccel.frontier import MemoryTarget
     from gradaccel.memory import LiveBytes
@@ -215,9 +237,9 @@ class _Block(torch.nn.Module):
 
 
 class _Stack(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, blocks=None):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(_Block(16, h) for h in (32, 256, 32, 256))
+        self.blocks = torch.nn.ModuleList(blocks or [_Block(16, h) for h in (32, 256, 32, 256)])
 
     def forward(self, x):
         for b in self.blocks:
