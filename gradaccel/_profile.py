@@ -161,9 +161,11 @@ class Profile:
         batch: the micro-batch (real or fake tensors), passed to ``step``.
         grad_hooks: free each parameter's ``.grad`` as soon as it is accumulated, as
             ``FusedAccumOptimizer``'s fold does (True), or leave grads to pile up (False).
+        prepare: called with the fake model before it runs (to switch a mode on, say).
     """
 
-    def __init__(self, model: nn.Module, step, batch, grad_hooks: bool = True, skeleton: bool = True):
+    def __init__(self, model: nn.Module, step, batch, grad_hooks: bool = True, skeleton: bool = True,
+                 prepare=None):
         first = next(iter(model.parameters()), None)
         if first is not None and hasattr(first, "fake_mode"):  # already fake: ours, used as is
             self.mode, self.model = first.fake_mode, model
@@ -171,6 +173,8 @@ class Profile:
             self.mode = fake_mode()
             self.model = fake_copy(model, self.mode)
         self.model.train()
+        if prepare is not None:
+            prepare(self.model)
         with self.mode:
             self.batch = tree_map(lambda t: self.mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
         self.step = step

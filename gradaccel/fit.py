@@ -14,8 +14,9 @@ outside the blocks, and each phase's working set (measured on fake tensors with 
 planner ``gradaccel.checkpoint`` itself uses; see gradaccel/_profile.py). The allocator's
 slack (rounding, fragmentation, the CUDA context) is not measured: ``slack`` reserves it.
 
-Any module whose blocks ``checkpoint_blocks`` finds can be fitted with ``make_batch`` and
-``loss_fn``. Plans with ``offload=True`` (host memory for what the budget leaves out) are
+A Hugging Face causal LM's loss may be computed in chunks (``Fit.chunked_loss``, the head mode
+of gradaccel/frontier.py) where its logits would set the peak. Any module whose blocks
+``checkpoint_blocks`` finds can be fitted with ``make_batch`` and ``loss_fn``. Plans with ``offload=True`` (host memory for what the budget leaves out) are
 predicted the same way and proposed in ``Fit.options`` where they are faster or fit alone.
 """
 
@@ -32,6 +33,7 @@ from gradaccel._fitparts import (OPTIMS, LoRALinear, _period, _suggest, fake_mod
                                  load_config, static_parts)
 from gradaccel._knapsack import least_peak, least_recompute
 from gradaccel._presets import PRESETS
+from gradaccel.frontier import install_head, set_head, stock_head
 from gradaccel._profile import Profile, find_blocks
 from gradaccel._trace import FLOPS_PER_BYTE
 from gradaccel.memory import format_bytes, parse_bytes
@@ -62,16 +64,22 @@ class Fit:
     suggestions: list = dataclasses.field(default_factory=list)
     host: dict = dataclasses.field(default_factory=dict)  # bytes held in host memory, not in ``peak``
     offload: bool = False  # the blocks run gradaccel.checkpoint(..., offload=True)
+    chunked_loss: bool = False  # the LM loss in chunks, no logits held for backward (gradaccel/frontier.py)
     options: list = dataclasses.field(default_factory=list)  # other plans worth knowing (Fit each)
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
         """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
-        must not be checkpointed already) and wraps ``optimizer`` in a ``FusedAccumOptimizer`` of
-        ``accum_steps`` (``kwargs`` go to it). Returns both."""
+        must not be checkpointed already), computes its loss in chunks if ``chunked_loss``, and
+        wraps ``optimizer`` in a ``FusedAccumOptimizer`` of ``accum_steps`` (``kwargs`` go to it).
+        Returns both."""
         from gradaccel.blocks import checkpoint_blocks
         from gradaccel.optimizer import FusedAccumOptimizer
 
+        if self.chunked_loss and not install_head(model):
+            raise ValueError("this plan computes the loss in chunks (chunked_loss), which needs a Hugging Face "
+                             "causal LM with its stock loss")
         checkpoint_blocks(model, offload=self.offload)
+        set_head(model, self.chunked_loss)
         blocks = find_blocks(model)
         if len(blocks) != len(self.budgets):
             raise ValueError(f"model has {len(blocks)} blocks, the fit was made for {len(self.budgets)}")
@@ -87,6 +95,7 @@ class Fit:
     def table(self) -> str:
         """The plan and its breakdown, as a readable table."""
         lines = [f"micro-batch {self.micro_batch} x {self.accum_steps} accumulation steps, sequence {self.seq}"
+                 + (", loss in chunks (no logits held for backward)" if self.chunked_loss else "")
                  + ("" if self.fits else "  (DOES NOT FIT)"),
                  f"blocks keep {format_bytes(self.kept)} beyond their inputs; recompute "
                  f"{self.recompute_flops / 1e12:.2f} TFLOP per micro-batch; step time "
@@ -109,7 +118,8 @@ class Fit:
     def summary(self) -> str:
         """One line: micro-batch, offload, predicted device peak, host bytes and step time."""
         host = sum(self.host.values())
-        return (f"micro-batch {self.micro_batch} x {self.accum_steps}{', offload=True' if self.offload else ''}: "
+        how = (", offload=True" if self.offload else "") + (", loss in chunks" if self.chunked_loss else "")
+        return (f"micro-batch {self.micro_batch} x {self.accum_steps}{how}: "
                 f"device peak {format_bytes(self.peak)}, host {format_bytes(host)}, step time {self.time:.2f}x")
 
 
@@ -149,9 +159,17 @@ class Planner:
         self.static = static_parts(self.model, optim, master_weights, load_in_4bit)
         self.load_in_4bit, self.lora = load_in_4bit, lora
         self.profiles = {}
+        # The loss in chunks (gradaccel/frontier.py's head mode) is an option for a causal LM
+        # with the stock loss, profiled as the model computes it.
+        lm_head = stock_head(self.profiled) if loss_fn is None else None
+        self.head_flops = 0 if lm_head is None else 2 * lm_head.weight.numel()  # per token, the matmul again
 
-    def profile(self, seq, micro_batch) -> Profile:
-        if (seq, micro_batch) not in self.profiles:
+    def profile(self, seq, micro_batch, chunked_loss=False) -> Profile:
+        """The profile of one micro-step (``chunked_loss``: with the loss computed in chunks)."""
+        key = (seq, micro_batch, chunked_loss)
+        if key not in self.profiles:
+            if chunked_loss and not self.head_flops:
+                raise ValueError("chunked_loss needs a Hugging Face causal LM with its stock loss and no loss_fn")
             if any(getattr(p, "quant_state", None) is not None for p in self.model.parameters()):
                 raise ValueError("model holds bitsandbytes 4-bit weights, which cannot be copied onto fake tensors: "
                                  "plan the model before quantising it, with load_in_4bit=True")
@@ -163,8 +181,9 @@ class Planner:
                 # Only shapes and dtypes matter: the batch is copied onto fake tensors.
                 batch = self.make_batch(micro_batch, seq)
             step = hf_step if self.loss_fn is None else functools.partial(_checked_loss, self.loss_fn)
-            self.profiles[(seq, micro_batch)] = Profile(self.profiled, step, batch)
-        return self.profiles[(seq, micro_batch)]
+            prepare = functools.partial(_chunk_loss, on=chunked_loss) if self.head_flops else None
+            self.profiles[key] = Profile(self.profiled, step, batch, prepare=prepare)
+        return self.profiles[key]
 
     def fronts(self, prof, offload=False) -> list:
         """Per block of the model, its kind's plans (``offload``: those with offload)."""
@@ -222,7 +241,7 @@ class Planner:
             # Offload: what the budget leaves out goes to host memory where copying beats
             # recomputing; faster at the same device memory, or not at all (its own micro-batches:
             # offload never lowers the floor of a plan that keeps nothing).
-            offloaded = [r for r in (_best_for(setup, seq, x.micro_batch, batch, usable, offload=True)
+            offloaded = [r for r in (_best_for(setup, seq, x.micro_batch, batch, usable, True, x.chunked_loss)
                                      for x in results) if r is not None and r.offload]
             if offloaded:
                 off = min(offloaded, key=lambda r: r.step_cost)
@@ -231,9 +250,8 @@ class Planner:
                     best.options.append(off)
             return best
         # Nothing fits: the least this step can take, with and without offload, and what would fit.
-        prof = setup.profile(seq, 1)
-        worst, offload = (_evaluate(setup, seq, 1, batch, least_peak(prof, setup.fronts(prof, off), setup.layout))
-                          for off in (False, True))
+        worst, offload = (min((_least(setup, seq, batch, off, chunked) for chunked in {False, bool(setup.head_flops)}),
+                              key=lambda r: r.peak) for off in (False, True))
         worst.memory, worst.slack, worst.fits = memory, slack, False
         worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
         fitting = []
@@ -257,13 +275,27 @@ def _checked_loss(loss_fn, model, batch):
     return loss
 
 
-def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True) -> Fit:
+def _least(setup: Planner, seq, batch, offload, chunked_loss) -> Fit:
+    """The plan whose predicted peak is least, at micro-batch 1."""
+    prof = setup.profile(seq, 1, chunked_loss)
+    points = least_peak(prof, setup.fronts(prof, offload), setup.layout)
+    return _evaluate(setup, seq, 1, batch, points, chunked_loss=chunked_loss)
+
+
+def _chunk_loss(model, on):
+    install_head(model)
+    set_head(model, on)
+
+
+def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunked_loss=False) -> Fit:
     """``points``: the plan of each block of the model."""
-    prof = setup.profile(seq, micro_batch)
+    prof = setup.profile(seq, micro_batch, chunked_loss)
     pred = setup.predict(prof, points, exact)
     st = setup.static
     step = max(pred["peak"], st.step)
     recompute = sum(p.cost for p in points)
+    if chunked_loss:  # backward makes each chunk's logits again
+        recompute += setup.head_flops * micro_batch * seq
     forward = sum(prof.kind_of[s].forward_cost for s in (setup.layout or range(len(prof.blocks))))
     fold = FLOPS_PER_BYTE["cpu"] * 10 * st.trainable  # reading a grad and updating the fp32 buffer
     base = 3 * forward + fold
@@ -284,8 +316,9 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True) -> Fi
         host["activations offloaded by the blocks"] = offloaded
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,
-               sum(p.flops for p in points), (batch // micro_batch) * (base + recompute), host=host,
-               offload=bool(offloaded))
+               sum(p.flops for p in points) + (setup.head_flops * micro_batch * seq if chunked_loss else 0),
+               (batch // micro_batch) * (base + recompute), host=host,
+               offload=bool(offloaded), chunked_loss=chunked_loss)
 
 
 def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
@@ -309,17 +342,25 @@ def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", l
                    loss_fn).estimate(seq, micro_batch, budget, offload)
 
 
-def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False) -> Fit | None:
+def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, chunked_loss=None) -> Fit | None:
     """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes (with
-    ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``)."""
-    prof = setup.profile(seq, micro_batch)
+    ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``). The loss in
+    chunks is tried (``chunked_loss`` None) where the model allows it and the plain loss does
+    not fit or peaks at the loss."""
+    if chunked_loss is None:
+        plain = _best_for(setup, seq, micro_batch, batch, usable, offload, False)
+        if not setup.head_flops or (plain is not None and plain.phase != "head"):
+            return plain
+        chunked = _best_for(setup, seq, micro_batch, batch, usable, offload, True)
+        return min((r for r in (plain, chunked) if r is not None), key=lambda r: r.step_cost, default=None)
+    prof = setup.profile(seq, micro_batch, chunked_loss)
     room = usable - setup.static.total - setup._dequantised(prof)  # for the step's activations
     if setup.static.step > room:
         return None
     points = least_recompute(prof, setup.fronts(prof, offload), room, layout=setup.layout)
     if points is None:
         return None
-    result = _evaluate(setup, seq, micro_batch, batch, points)
+    result = _evaluate(setup, seq, micro_batch, batch, points, chunked_loss=chunked_loss)
     return result if result.peak <= usable else None
 
 
@@ -330,7 +371,9 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
 
     Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the
     per-block plans with the least recompute whose predicted peak fits (gradaccel/_knapsack.py),
-    and picks the configuration with the least predicted step time (the planner's cost model:
+    with the causal LM loss as the model computes it or, where that does not fit or the peak is
+    at the loss, computed in chunks without logits held for backward (``chunked_loss``: one
+    more LM-head matmul in backward; Hugging Face causal LMs with the stock loss), and picks the configuration with the least predicted step time (the planner's cost model:
     forward and backward, recompute, and the per-micro-batch fold into the fp32 buffer).
 
     Args:

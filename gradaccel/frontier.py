@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as _tc
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTarget", "ChunkedLinearCrossEntropy", "LOW_MEMORY_MODES"]
+__all__ = ["MemoryTarget", "ChunkedLinearCrossEntropy", "LOW_MEMORY_MODES", "install_head", "set_head"]
 
 # Below the per-block floor, in order of recompute (then of regions run).
 LOW_MEMORY_MODES = (("parts",), ("head",), ("parts", "head"), ("parts", "tiles"), ("parts", "tiles", "head"))
@@ -203,21 +203,28 @@ def _clear_head(model, args, out):
     return None
 
 
-def install_head(model: nn.Module) -> bool:
-    """Prepares head mode on a Hugging Face causal LM whose loss is the stock ``ForCausalLMLoss``
-    (off until :func:`set_head`). Returns whether the model has such a head."""
+def stock_head(model: nn.Module):
+    """The LM head of a Hugging Face causal LM whose loss is the stock ``ForCausalLMLoss`` (or is
+    head mode's already), else None: what head mode needs."""
     try:
         from transformers.loss.loss_utils import ForCausalLMLoss
     except ImportError:
-        return False
+        return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or not hasattr(type(model), "loss_function"):
+        return None
+    return head if isinstance(model.loss_function, _HeadLoss) or model.loss_function is ForCausalLMLoss else None
+
+
+def install_head(model: nn.Module) -> bool:
+    """Prepares head mode on a Hugging Face causal LM whose loss is the stock ``ForCausalLMLoss``
+    (off until :func:`set_head`). Returns whether the model has such a head."""
+    head = stock_head(model)
+    if head is None:
         return False
     current = model.loss_function
     if isinstance(current, _HeadLoss):
         return True
-    if current is not ForCausalLMLoss:
-        return False
     head._gradaccel_head = False
     head.register_forward_hook(_record_head)
     model.register_forward_hook(_clear_head)

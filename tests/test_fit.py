@@ -117,6 +117,37 @@ def test_fitted_plan_never_exceeds_target():
     assert len(chosen) >= 2 and len(set(chosen)) >= 2, chosen  # the targets led to different plans
 
 
+def test_fit_computes_the_loss_in_chunks_where_logits_dominate():
+    """A vocabulary 128x the hidden size: the loss's logits set the floor. The fit finds the
+    loss in chunks (no logits held for backward) where the plain loss cannot fit, applies it in
+    one call, and the real step stays under the target, within 10% of the prediction, with
+    stock gradients."""
+    from gradaccel.fit import _least
+
+    gradaccel.reset_plans()
+    shape, seq = (32, 80, 2, 4, 2, 4096), 128
+    planner = Planner(_model(shape), optim=torch.optim.AdamW(_model(shape).parameters()))
+    plain, chunked = (_least(planner, seq, 1, False, c).peak for c in (False, True))
+    static = planner.static.total
+    assert chunked - static < 0.85 * (plain - static), (chunked, plain, static)
+    memory = (plain + chunked) // 2
+    result = planner.fit(seq, 1, memory, slack=0)
+    assert result.fits and result.chunked_loss and "loss in chunks" in result.table()
+    model, ref = _model(shape).train(), _model(shape).train()
+    model, opt = result.apply(model, torch.optim.AdamW(model.parameters()))
+    batch = _batch(shape, 1, seq)
+    real = measured_peak(model, opt, hf_step, batch)
+    assert real <= memory and abs(result.peak / real - 1) <= 0.10, (memory, real, result.peak)
+    # Same loss and gradients as the stock loss, on a model that has not stepped.
+    fresh = _model(shape).train()
+    model, _ = result.apply(fresh, torch.optim.SGD(fresh.parameters()))
+    loss, ref_loss = hf_step(model, batch), hf_step(ref, batch)
+    torch.testing.assert_close(loss, ref_loss)
+    grads = torch.autograd.grad(loss, [p for p in model.parameters()])
+    for g, q in zip(grads, torch.autograd.grad(ref_loss, list(ref.parameters()))):
+        torch.testing.assert_close(g, q, rtol=1e-4, atol=1e-6)
+
+
 def test_nothing_fits_says_what_would(monkeypatch):
     model = _model(SHAPES[0])
     result = fit(model, 96, 4, 1000, slack=0)
@@ -127,8 +158,10 @@ def test_nothing_fits_says_what_would(monkeypatch):
     cost = lambda device, model="flops": 40.0  # noqa: E731
     monkeypatch.setattr(sys.modules["gradaccel.checkpoint"], "offload_cost_per_byte", cost)
     monkeypatch.setattr(gradaccel._profile, "offload_cost_per_byte", cost)
-    planner = Planner(model)
-    least = fit(model, 192, 1, 1000, slack=0)  # the least each way, with what would fit
+    # A loss of the caller's (loss_fn): the fit cannot compute it in chunks, which would lower
+    # the floor below offload's here.
+    planner = Planner(model, loss_fn=hf_step)
+    least = planner.fit(192, 1, 1000, slack=0)  # the least each way, with what would fit
     floor, offload = least.peak, planner.estimate(192, 1, 1, offload=True).peak
     assert offload < floor
     result = planner.fit(192, 1, (floor + offload) // 2, slack=0)
