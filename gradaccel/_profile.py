@@ -33,6 +33,10 @@ from gradaccel.checkpoint import _Region, _plain
 from gradaccel.memory import LiveBytes
 
 KEEP_ALL = "all"  # the plan of a block run without checkpointing
+# Plans that are not a checkpoint of the block (gradaccel/frontier.py): the block runs
+# uncheckpointed and each of its children as a keep-nothing checkpoint (PARTS); and its
+# token-wise children (MLPs) a chunk of tokens at a time (TILES).
+PARTS, TILES = "parts", "tiles"
 
 
 def fake_mode():
@@ -104,6 +108,7 @@ class Kind:
     forward_cost: float = 0.0  # the planner's cost of one forward of the block
     input_grads: tuple = ()  # which tensor inputs require grad, in the traced call
     _peaks: dict = dataclasses.field(default_factory=dict)
+    _options: list = None  # the parts plans (Profile.options)
 
     @functools.cached_property
     def frontier(self) -> list:
@@ -328,7 +333,7 @@ class Profile:
             try:
                 with self.mode, torch.enable_grad(), live:
                     out = _run_plan(forward, plan, kind.args, kind.kwargs)
-                    forward_peak = live.peak
+                    forward_peak, held = live.peak, live.live
                     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
                     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
                     del out, outs
@@ -338,7 +343,7 @@ class Profile:
                     h.remove()
                 for t in leaves:
                     t.grad = None
-            kind._peaks[key] = (forward_peak, live.peak)
+            kind._peaks[key] = (forward_peak, live.peak, held)
         return kind._peaks[key][1]
 
     def block_forward_peak(self, kind: Kind, point) -> int:
@@ -349,13 +354,36 @@ class Profile:
     def block_peak_estimate(self, kind: Kind, point: Point) -> int:
         """:meth:`block_peak` without running the block: the larger of replay's moment (what is
         kept plus what replay makes, offset as measured at the keep-nothing plan) and the
-        backward with every activation present (measured with nothing dropped)."""
+        backward with every activation present (measured with nothing dropped). Parts plans
+        are run (once per kind)."""
+        if point.plan in (PARTS, TILES):
+            return self.block_peak(kind, point)
         zero = kind.zero
         at_zero = self.block_peak(kind, zero)
         full = self.block_peak(kind, KEEP_ALL)
         offset = at_zero - zero.kept - zero.replay_bytes if at_zero > full else 0
         # Offloaded tensors come back to the device for the backward, as replayed ones do.
         return max(point.kept + point.replay_bytes + point.host + offset, full)
+
+    def options(self, kind: Kind, offload: bool = False) -> list:
+        """The plans a block of ``kind`` may run: its frontier (``offload``: with offload), and
+        where the block has parts, the parts plans. Those recompute what keep-least does and
+        keep more (their parts' inputs), but rebuild one part at a time, so backward's working
+        set is smaller: a filter on kept bytes would drop them, the split on the peak's terms
+        (gradaccel/_knapsack.py) weighs them."""
+        if kind._options is None:
+            from gradaccel.frontier import has_parts, has_tiles
+
+            block, zero = self.blocks[kind.blocks[0]], kind.zero
+            kind._options = []
+            for plan, ok in ((PARTS, has_parts(block)), (TILES, has_tiles(block))):
+                if ok:
+                    self.block_peak(kind, zero)
+                    point = Point(plan, zero.kept, zero.cost, zero.flops, 0, plan)
+                    self.block_peak(kind, point)
+                    point.kept += kind._peaks[plan][2] - kind._peaks[zero.key][2]  # held after forward
+                    kind._options.append(point)
+        return (kind.offload_frontier if offload else kind.frontier) + kind._options
 
     # -- composing a step --------------------------------------------------------------------
     def step_terms(self, layout: list | None = None) -> dict:
@@ -525,6 +553,15 @@ _FAKE_STORE = _FakeStore()  # only its presence matters to the planner: it asks 
 def _run_plan(forward, plan, args, kwargs):
     if plan == KEEP_ALL:
         return forward(*args, **kwargs)
+    if plan in (PARTS, TILES):
+        from gradaccel.frontier import set_parts
+
+        block = forward.__self__
+        set_parts(block, True, plan == TILES)  # the children's checkpoints rerun their plain forwards
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            set_parts(block, False)
     flat, _ = tree_flatten((args, kwargs))
     rng = capture_rng(plan.graph.devices) if plan.needs_rng else None
     if plan.offloaded:

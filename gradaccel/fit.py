@@ -33,8 +33,8 @@ from gradaccel._fitparts import (OPTIMS, LoRALinear, _period, _suggest, fake_mod
                                  load_config, static_parts)
 from gradaccel._knapsack import least_peak, least_recompute
 from gradaccel._presets import PRESETS
-from gradaccel.frontier import install_head, set_head, stock_head
-from gradaccel._profile import Profile, find_blocks
+from gradaccel.frontier import install_head, install_parts, set_head, set_parts, stock_head
+from gradaccel._profile import PARTS, TILES, Profile, find_blocks
 from gradaccel._trace import FLOPS_PER_BYTE
 from gradaccel.memory import format_bytes, parse_bytes
 
@@ -50,7 +50,7 @@ class Fit:
     seq: int
     micro_batch: int
     accum_steps: int
-    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint
+    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint, or "parts" / "tiles"
     kept: int  # bytes the blocks keep in total beyond their inputs
     peak: int  # predicted peak of the step, slack excluded
     parts: dict  # what the peak is made of (bytes)
@@ -84,7 +84,11 @@ class Fit:
         if len(blocks) != len(self.budgets):
             raise ValueError(f"model has {len(blocks)} blocks, the fit was made for {len(self.budgets)}")
         for block, budget in zip(blocks, self.budgets):
-            block._gradaccel_budget = budget
+            if budget in (PARTS, TILES):  # uncheckpointed, its parts checkpointed (gradaccel/frontier.py)
+                install_parts(block)
+                set_parts(block, True, budget == TILES)
+            else:
+                block._gradaccel_budget = budget
         if not isinstance(optimizer, FusedAccumOptimizer):
             optimizer = FusedAccumOptimizer(optimizer, self.accum_steps, **kwargs)
         return model, optimizer
@@ -97,6 +101,9 @@ class Fit:
         lines = [f"micro-batch {self.micro_batch} x {self.accum_steps} accumulation steps, sequence {self.seq}"
                  + (", loss in chunks (no logits held for backward)" if self.chunked_loss else "")
                  + ("" if self.fits else "  (DOES NOT FIT)"),
+                 *([f"{n} of {len(self.budgets)} blocks run as their parts (attention, MLP, norms: each "
+                    "its own checkpoint)" + (", MLPs a quarter of the tokens at a time" if TILES in self.budgets else "")]
+                   if (n := sum(b in (PARTS, TILES) for b in self.budgets)) else []),
                  f"blocks keep {format_bytes(self.kept)} beyond their inputs; recompute "
                  f"{self.recompute_flops / 1e12:.2f} TFLOP per micro-batch; step time "
                  f"{self.time:.2f}x of no checkpointing (planner's cost model)",
@@ -186,9 +193,9 @@ class Planner:
         return self.profiles[key]
 
     def fronts(self, prof, offload=False) -> list:
-        """Per block of the model, its kind's plans (``offload``: those with offload)."""
+        """Per block of the model, its kind's plans (``Profile.options``; ``offload``: with offload)."""
         layout = self.layout or range(len(prof.blocks))
-        return [prof.kind_of[s].offload_frontier if offload else prof.kind_of[s].frontier for s in layout]
+        return [prof.options(prof.kind_of[s], offload) for s in layout]
 
     def predict(self, prof, points, exact=True) -> dict:
         out = prof.predict(points, exact=exact, layout=self.layout)

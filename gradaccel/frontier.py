@@ -1,42 +1,35 @@
 """``checkpoint_blocks(model, memory=...)``: one memory target for a training step, reached
-below what per-block plans can reach.
+below what per-block checkpoints can reach.
 
 ``memory`` is the most bytes one training step (forward and backward) may add above what
 exists before it: the activations held for backward, backward's working set, and the
 parameters' gradients, as :class:`gradaccel.memory.LiveBytes` counts them. At the first
 training call for an input shape the model is profiled on fake tensors (gradaccel/_profile.py:
-nothing allocated) and the plan with the least recompute whose peak fits is chosen, from a
-ladder ordered by recompute:
+nothing allocated), and each block's plan is chosen so that the step's predicted peak
+(``Profile.predict``) fits with the least recompute, on the peak's own terms
+(gradaccel/_knapsack.py: what a block keeps is paid at every later phase, so the last blocks
+keep more, and a block rebuilt with a larger working set makes the blocks before it keep less).
+A block may run:
 
-1. **Per-block plans.** Each block's plan is chosen so that total recompute is least and the
-   predicted peak (``Profile.predict``) fits, on the peak's own terms (gradaccel/_knapsack.py:
-   what a block keeps is paid at every later phase, so the last block keeps more, and blocks
-   rebuilt with a larger working set make the blocks before them keep less). A block whose
-   plan recomputes nothing runs uncheckpointed (the same memory, without the checkpoint's
-   own cost).
-2. Below the keep-least per-block plans, a per-block checkpoint's floor is not its block's
-   input (that is one hidden state per block) but backward's working set: a block recomputes
-   all its activations at once before its backward runs, while every gradient made so far is
-   alive; and the loss over a large vocabulary makes and holds logits-sized tensors.
-   Two mechanisms lower it, tried in this order (fewest recompute FLOPs first), each measured
-   on fake tensors by a whole fake step under ``LiveBytes``:
+- a checkpoint plan at some budget (``gradaccel.checkpoint``'s planner), or no checkpoint where
+  its plan would recompute nothing (the same memory, without the checkpoint's own cost);
+- **parts**: uncheckpointed, each of its direct children (attention, MLP, norms) a keep-nothing
+  checkpoint of its own. It recomputes what keep-least does and holds its parts' inputs instead
+  of one, but backward rebuilds one part at a time, not the whole block at once while every
+  gradient made so far is alive: below keep-least's floor, that working set is what counts;
+- **tiles**: parts, with each token-wise part (an MLP of linear layers) a quarter of the tokens
+  at a time, each its own checkpoint: backward rebuilds a quarter of its intermediates at once.
 
-   - **parts**: each block runs uncheckpointed and each of its direct children (attention,
-     MLP, norms) runs as its own keep-nothing checkpoint, so backward rebuilds one part at a
-     time. The same FLOPs are recomputed; the block holds its parts' inputs instead of one.
-   - **head**: for a Hugging Face causal LM whose loss is the stock ``ForCausalLMLoss``, the
-     loss is computed by :class:`ChunkedLinearCrossEntropy` from the final hidden states and
-     the LM head's weight, rows at a time: it holds no logits-sized tensor for backward and
-     rebuilds logits a chunk at a time in backward (one more LM-head matmul). The model's
-     ``logits`` output is still made by ``lm_head`` as before (and still differentiable),
-     then freed when the caller drops it.
-   - **tiles**: with parts, each token-wise part (an MLP of linear layers) runs a quarter of
-     the tokens at a time, each its own checkpoint: backward rebuilds a quarter of its
-     intermediates at once.
-   - combinations of these, in the order of ``LOW_MEMORY_MODES``.
+And where the model's loss does not fit or the peak is at the loss, **head**: for a Hugging
+Face causal LM whose loss is the stock ``ForCausalLMLoss``, the loss is computed by
+:class:`ChunkedLinearCrossEntropy` from the final hidden states and the LM head's weight, rows
+at a time: it holds no logits-sized tensor for backward and rebuilds logits a chunk at a time
+in backward (one more LM-head matmul, priced as such). The model's ``logits`` output is still
+made by ``lm_head`` as before (and still differentiable), then freed when the caller drops it.
 
 The choice is made once per input shape; outputs and gradients are those without
-checkpointing (up to the order of floating-point sums).
+checkpointing (up to the order of floating-point sums). ``gradaccel.fit`` plans with the same
+choices.
 """
 
 import functools
@@ -49,10 +42,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as _tc
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTarget", "ChunkedLinearCrossEntropy", "LOW_MEMORY_MODES", "install_head", "set_head"]
+__all__ = ["MemoryTarget", "ChunkedLinearCrossEntropy", "install_head", "set_head"]
 
-# Below the per-block floor, in order of recompute (then of regions run).
-LOW_MEMORY_MODES = (("parts",), ("head",), ("parts", "head"), ("parts", "tiles"), ("parts", "tiles", "head"))
 TILES = 4  # token chunks of a token-wise part in "tiles" mode
 _busy = threading.local()
 
@@ -81,6 +72,20 @@ def _token_wise(module: nn.Module) -> bool:
 
 def _parts_of(block: nn.Module) -> list:
     return [c for c in block.children() if any(True for _ in c.parameters())]
+
+
+def has_parts(block: nn.Module) -> bool:
+    """Whether ``block`` can run as its parts (two children or more with parameters); if so,
+    readies them (:func:`install_parts`)."""
+    if len(_parts_of(block)) < 2:
+        return False
+    install_parts(block)
+    return True
+
+
+def has_tiles(block: nn.Module) -> bool:
+    """Whether ``block`` has parts and a token-wise one among them (tiles mode changes it)."""
+    return has_parts(block) and any(_token_wise(c) for c in _parts_of(block))
 
 
 def install_parts(block: nn.Module) -> None:
@@ -261,9 +266,12 @@ class MemoryTarget:
 
     Attributes:
         memory: the target in bytes.
-        chosen: input signature -> ``(mode, predicted peak, floor)``; mode is ``"blocks"`` or a
-            tuple of :data:`LOW_MEMORY_MODES`; ``floor`` is the predicted peak with every block at
-            its keep-least plan, the least per-block plans reach.
+        chosen: input signature -> ``(mode, predicted peak, floor)``; mode is ``"blocks"`` when
+            every block runs a checkpoint plan (or none) and the loss is the model's, else a
+            tuple of what the plan also uses: ``"parts"`` (blocks run as their parts),
+            ``"tiles"`` (MLPs a chunk of tokens at a time), ``"head"`` (the loss in chunks);
+            ``floor`` is the predicted peak with every block at its keep-least plan and the
+            model's loss, the least per-block checkpoints reach.
     """
 
     def __init__(self, memory: int, blocks: list, model: nn.Module):
@@ -283,87 +291,71 @@ class MemoryTarget:
         key = tuple((tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor))
         blocks = find_blocks(module)
         if key not in self.seen:
-            self._set(module, blocks, (), [0] * len(blocks))
+            self._set(module, blocks, False, [0] * len(blocks))
             _busy.on = True
             try:
                 self.seen[key], self.chosen[key] = self._choose(module, args, kwargs)
             finally:
                 _busy.on = False
                 torch.clear_autocast_cache()
-        mode, budgets = self.seen[key]
-        if kwargs.get("labels") is None:  # the loss is computed outside the model: logits as they are
-            mode = tuple(m for m in mode if m != "head") if mode != "blocks" else mode
-        self._set(module, blocks, mode, budgets)
+        head, settings = self.seen[key]
+        # The loss computed outside the model (no labels): logits as they are.
+        self._set(module, blocks, head and kwargs.get("labels") is not None, settings)
         return None
 
-    def _set(self, model, blocks, mode, budgets):
-        for block, budget in zip(blocks, budgets):
-            block._gradaccel_budget = budget or 0
-            set_parts(block, "parts" in mode, "tiles" in mode)
-            if budget is None:  # a plan that recomputes nothing: no checkpoint, and none of its cost
+    @staticmethod
+    def _set(model, blocks, head, settings):
+        """``settings[i]``: block ``i``'s int budget, None (uncheckpointed), or PARTS / TILES."""
+        from gradaccel._profile import PARTS, TILES
+
+        for block, s in zip(blocks, settings):
+            set_parts(block, s in (PARTS, TILES), s == TILES)
+            if s is None:  # a plan that recomputes nothing: no checkpoint, and none of its cost
                 block._gradaccel_fine = True
-        set_head(model, "head" in mode)
+            elif s not in (PARTS, TILES):
+                block._gradaccel_budget = s
+        set_head(model, head)
 
     def _choose(self, module, args, kwargs):
-        from gradaccel._knapsack import least_recompute
-        from gradaccel._profile import Profile
+        from gradaccel._knapsack import least_peak, least_recompute
+        from gradaccel._profile import PARTS, TILES, Profile
 
-        prof = Profile(module, _step, (args, kwargs), grad_hooks=False, skeleton=True)
-        fronts = [prof.kind_of[i].frontier for i in range(len(prof.blocks))]
-        least = [f[0] for f in fronts]
-        floor = prof.predict(least)["peak"]
-        points = least_recompute(prof, fronts, self.memory) if floor <= self.memory else None
-        if points is not None:
-            budgets = [None if p.cost == 0 and p is f[-1] else p.budget for p, f in zip(points, fronts)]
-            return ("blocks", budgets), ("blocks", prof.predict(points)["peak"], floor)
-        tried = []
-        for mode in LOW_MEMORY_MODES:
-            if "head" in mode and not self.has_head:
-                continue
-            peak = _fake_peak(prof, mode, least)
-            tried.append((peak, mode))
-            if peak <= self.memory:
-                return (mode, [p.budget for p in least]), (mode, peak, floor)
-        peak, mode = min(tried + [(floor, ())], key=lambda t: t[0])
-        warnings.warn(f"gradaccel.checkpoint_blocks: memory={self.memory} bytes is below the least this step can "
-                      f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors); using that plan. "
-                      "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
-        return (mode, [p.budget for p in least]), (mode, peak, floor)
+        def plan(head):
+            prof = Profile(module, _step, (args, kwargs), grad_hooks=False, prepare=lambda m: set_head(m, head))
+            opts = [prof.options(prof.kind_of[i]) for i in range(len(prof.blocks))]
+            return prof, opts, least_recompute(prof, opts, self.memory)
+
+        tried = {False: plan(False)}
+        plain, opts, points = tried[False]
+        floor = plain.predict([o[0] for o in opts])["peak"]
+        labels = kwargs.get("labels")
+        if self.has_head and torch.is_tensor(labels) and (points is None or plain.predict(points)["phase"] == "head"):
+            tried[True] = plan(True)
+        # The loss in chunks makes each chunk's logits again in backward: one LM-head matmul more.
+        head_cost = 2.0 * labels.numel() * stock_head(module).weight.numel() if True in tried else 0.0
+        fitting = [(sum(p.cost for p in pts) + head_cost * h, h) for h, (_, _, pts) in tried.items() if pts is not None]
+        if fitting:
+            head = min(fitting)[1]
+            prof, _, points = tried[head]
+        else:
+            least = {h: least_peak(prof, opts) for h, (prof, opts, _) in tried.items()}
+            head = min(least, key=lambda h: tried[h][0].predict(least[h])["peak"])
+            prof, points = tried[head][0], least[head]
+        peak = prof.predict(points)["peak"]
+        if not fitting:
+            warnings.warn(f"gradaccel.checkpoint_blocks: memory={self.memory} bytes is below the least this step can "
+                          f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors); using that plan. "
+                          "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
+        settings = [_setting(p, prof.kind_of[i], PARTS, TILES) for i, p in enumerate(points)]
+        used = {s for s in settings if s in (PARTS, TILES)}
+        mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", TILES in used), ("head", head)) if on)
+        return (head, settings), (mode or "blocks", peak, floor)
 
 
-def _fake_peak(prof, mode, least) -> int:
-    """Peak live bytes of a whole fake step with ``mode`` on (blocks not in parts mode run their
-    keep-least plan, as checkpoint_blocks would)."""
-    from gradaccel._profile import _run_plan
-    from gradaccel.memory import LiveBytes
-
-    model = prof.model
-    for b in prof.blocks:
-        install_parts(b)
-        set_parts(b, "parts" in mode, "tiles" in mode)
-    if "head" in mode:
-        install_head(model)
-    set_head(model, "head" in mode)
-
-    def runner(i, forward, *args, **kwargs):
-        if "parts" in mode:
-            return forward(*args, **kwargs)
-        return _run_plan(forward, least[i].plan, args, kwargs)
-
-    for p in model.parameters():
-        p.grad = None
-    originals = prof._install(runner)
-    live = LiveBytes()
-    try:
-        with prof.mode, torch.enable_grad(), live:
-            loss = prof.step(model, prof.batch)
-            loss.backward()
-            del loss
-    finally:
-        prof._uninstall(originals)
-        for b in prof.blocks:
-            set_parts(b, False)
-        set_head(model, False)
-        for p in model.parameters():
-            p.grad = None
-    return live.peak
+def _setting(point, kind, *parts_plans):
+    """What :meth:`MemoryTarget._set` sets a block to for ``point``."""
+    if point.plan in parts_plans:
+        return point.plan
+    if point.cost == 0 and point is kind.frontier[-1]:
+        return None  # recomputes nothing: no checkpoint, and none of its cost
+    return point.budget

@@ -148,6 +148,30 @@ def test_fit_computes_the_loss_in_chunks_where_logits_dominate():
         torch.testing.assert_close(g, q, rtol=1e-4, atol=1e-6)
 
 
+def test_fit_runs_blocks_as_their_parts_below_the_checkpoint_floor():
+    """Below the least that checkpoint plans reach, blocks run as their parts: the applied plan's
+    real peak stays under the target and within 10% of the prediction."""
+    from gradaccel._knapsack import least_peak
+    from gradaccel.fit import _least
+
+    gradaccel.reset_plans()
+    shape, seq = (64, 176, 3, 8, 2, 128), 192
+    planner = Planner(_model(shape), optim=torch.optim.AdamW(_model(shape).parameters()), loss_fn=hf_step)
+    prof = planner.profile(seq, 1)
+    checkpoints = gradaccel.fit._evaluate(planner, seq, 1, 1, least_peak(prof, [k.frontier for k in (
+        prof.kind_of[i] for i in range(len(prof.blocks)))])).peak
+    lowest = _least(planner, seq, 1, False, False).peak
+    assert lowest < checkpoints, (lowest, checkpoints)
+    memory = (lowest + checkpoints) // 2
+    result = planner.fit(seq, 1, memory, slack=0)
+    assert result.fits and any(b in ("parts", "tiles") for b in result.budgets), result.table()
+    assert "run as their parts" in result.table()
+    model = _model(shape).train()
+    model, opt = result.apply(model, torch.optim.AdamW(model.parameters()))
+    real = measured_peak(model, opt, hf_step, _batch(shape, 1, seq))
+    assert real <= memory and abs(result.peak / real - 1) <= 0.10, (memory, real, result.peak)
+
+
 def test_nothing_fits_says_what_would(monkeypatch):
     model = _model(SHAPES[0])
     result = fit(model, 96, 4, 1000, slack=0)
@@ -471,8 +495,9 @@ def test_offload_predicted_and_proposed(monkeypatch):
                                            num_attention_heads=8, num_key_value_heads=2, vocab_size=384)
     deep = Planner(deep_config, optim="sgd", dtype=torch.float32)
     static = sum(deep.static.__dict__[k] for k in ("weights", "buffer", "state"))
-    prof = deep.profile(seq, 2)  # the least a plan without offload can take
-    least = gradaccel.fit._evaluate(deep, seq, 2, 2, least_peak(prof, deep.fronts(prof), deep.layout)).peak
+    prof = deep.profile(seq, 2)  # the least checkpoint plans without offload can take
+    checkpoints = [prof.kind_of[s].frontier for s in deep.layout]
+    least = gradaccel.fit._evaluate(deep, seq, 2, 2, least_peak(prof, checkpoints, deep.layout)).peak
     result = deep.fit(seq, 2, least + (least - static) // 2, slack=0, micro_batches=[2])
     assert result.fits and not result.offload and result.options
     off = result.options[0]
@@ -489,7 +514,8 @@ def test_offload_predicted_and_proposed(monkeypatch):
     assert store.stats()["bytes_offloaded"] > before
     assert abs(off.peak / real - 1) <= 0.10, (off.peak, real)
     # Nothing fits: the advice names offload with its figures (it cannot lower the floor).
-    worse = deep.fit(seq, 2, static + (least - static) // 2, slack=0)
+    lowest = gradaccel.fit._least(deep, seq, 2, False, False).peak  # micro-batch 1, any plan
+    worse = deep.fit(seq, 2, static + (lowest - static) // 2, slack=0)
     assert not worse.fits and any(s.startswith("offload") and "on host" in s for s in worse.suggestions)
 
 

@@ -67,14 +67,14 @@ def test_memory_below_per_block_floor(hidden, vocab, seq, mode):
     ref = _llama(hidden, vocab)
     ref_peak, ref_loss = _step_peak(ref, ids)
 
-    # The least the ladder reaches (memory=1 byte: warned about, lowest-peak plan taken).
+    # The least the plans reach (memory=1 byte: warned about, lowest-peak plan taken).
     probe = gradaccel.checkpoint_blocks(_llama(hidden, vocab), memory=1)
     with pytest.warns(UserWarning, match="below the least"):
         probe(input_ids=ids, labels=ids, use_cache=False)
     target = next(h for h in probe._forward_pre_hooks.values() if isinstance(h, MemoryTarget))
     (least_mode, least, floor), = target.chosen.values()
     assert mode in least_mode, least_mode
-    assert least < floor  # the ladder reaches below the per-block floor
+    assert least < floor  # below the per-block floor
     assert least < 0.9 * ref_peak
 
     memory = (least + floor) // 2
