@@ -29,8 +29,8 @@ def least_recompute(prof, options: list, memory: int, layout: list | None = None
 
     Args:
         prof: the step's :class:`gradaccel._profile.Profile`.
-        options: per block (position in ``layout``), its candidate points, e.g. its kind's
-            ``frontier`` or ``offload_frontier``.
+        options: per block (position in ``layout``), its candidate points
+            (``Profile.options``: checkpoint plans, and parts plans).
         memory: the most bytes the step's peak may reach (``Profile.predict``'s ``peak``).
         layout: as :meth:`Profile.predict`'s.
         units: the resolution of kept bytes (``memory / units``).
@@ -38,7 +38,7 @@ def least_recompute(prof, options: list, memory: int, layout: list | None = None
             until it fits; otherwise the estimate (``Profile.block_peak_estimate``) decides.
 
     Returns:
-        list | None: the chosen point per block, or None if even keeping least does not fit.
+        list | None: the chosen point per block, or None if no choice fits.
     """
     terms = prof.step_terms(layout)
     target = memory
