@@ -344,10 +344,10 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
             may add above what exists before it (activations held for backward, backward's working
             set and the parameters' gradients, as ``gradaccel.memory.LiveBytes`` counts them). At
             the first training call for an input shape the model is profiled on fake tensors and
-            the plan with the least recompute whose peak fits is chosen: per-block plans split on
-            the peak's own terms (gradaccel/_knapsack.py), or below what per-block plans reach,
-            each block's parts as their own checkpoints and/or a causal LM's loss computed in
-            chunks without logits held for backward (see gradaccel/frontier.py). ``model.train()`` with a loss the model
+            the plan with the least recompute whose peak fits is chosen: per block, a checkpoint
+            budget or the block's parts as their own checkpoints, split on the peak's own terms
+            (gradaccel/_knapsack.py), and a causal LM's loss computed in chunks without logits
+            held for backward where the loss would set the peak (see gradaccel/frontier.py). ``model.train()`` with a loss the model
             computes (``labels``) is what is profiled; for a plain module, its output summed.
         cost ("flops" | "measured" | callable): the recompute cost model, as in
             :func:`gradaccel.checkpoint`.
