@@ -194,7 +194,9 @@ class _HeadLoss:
             denom = (labels != ignore_index).sum()
         else:
             denom = num_items_in_batch.to(logits.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
-        rows = max(1, (1 << 22) // max(1, vocab_size))  # ~16 MiB of fp32 logits a chunk
+        # ~16 MiB of fp32 logits a chunk, and at most 64 chunks: each chunk is a few kernels,
+        # and the loop's Python is the fake-tensor profile's cost too.
+        rows = max(1, (1 << 22) // max(1, vocab_size), -(-labels.numel() // 64))
         return ChunkedLinearCrossEntropy.apply(hidden, self.head.weight, self.head.bias,
                                                logits.detach().reshape(-1, vocab_size), labels, denom,
                                                ignore_index, rows)
