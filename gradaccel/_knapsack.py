@@ -80,13 +80,15 @@ def _solve(prof, terms, options, memory, units):
     inf = float("inf")
     best = np.full(cap + 1, inf)
     best[0] = 0.0  # best[u]: least cost so far with the blocks so far keeping u units beyond keep-nothing
+    def units_kept(i, p):  # what block i keeps beyond keep-nothing, in units, rounded up
+        return -(-max(0, p.kept - prof.kind_of[terms["layout"][i]].zero.kept) // unit)
+
     picks = []
     for i, opts in enumerate(options):
-        zero = prof.kind_of[terms["layout"][i]].zero.kept
         new = np.full(cap + 1, inf)
         pick = np.full(cap + 1, -1, dtype=np.int64)
         for j, p in enumerate(opts):
-            w = -(-max(0, p.kept - zero) // unit)
+            w = units_kept(i, p)
             room = memory - max(prof.need(terms, i, p, exact=False))
             if room < 0 or w > cap:
                 continue
@@ -107,5 +109,5 @@ def _solve(prof, terms, options, memory, units):
     for i in reversed(range(len(options))):
         p = options[i][int(picks[i][u])]
         out.append(p)
-        u -= -(-max(0, p.kept - prof.kind_of[terms["layout"][i]].zero.kept) // unit)
+        u -= units_kept(i, p)
     return out[::-1]

@@ -375,10 +375,10 @@ class Profile:
             from gradaccel.frontier import has_parts, has_tiles
 
             block, zero = self.blocks[kind.blocks[0]], kind.zero
+            self.block_peak(kind, zero)
             kind._options = []
             for plan, ok in ((PARTS, has_parts(block)), (TILES, has_tiles(block))):
                 if ok:
-                    self.block_peak(kind, zero)
                     point = Point(plan, zero.kept, zero.cost, zero.flops, 0, plan)
                     self.block_peak(kind, point)
                     point.kept += kind._peaks[plan][2] - kind._peaks[zero.key][2]  # held after forward
@@ -388,7 +388,7 @@ class Profile:
     # -- composing a step --------------------------------------------------------------------
     def step_terms(self, layout: list | None = None) -> dict:
         """The step's peak as terms that do not depend on the plans, for :meth:`predict` and
-        :func:`gradaccel._split.least_recompute`.
+        :func:`gradaccel._knapsack.least_recompute`.
 
         With block ``i`` under plan ``p_i`` and ``D_i`` the bytes the blocks before ``i`` keep
         beyond their keep-nothing plans, the peak is the largest of ``fixed``, ``D_i +``

@@ -347,8 +347,9 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
             the plan with the least recompute whose peak fits is chosen: per block, a checkpoint
             budget or the block's parts as their own checkpoints, split on the peak's own terms
             (gradaccel/_knapsack.py), and a causal LM's loss computed in chunks without logits
-            held for backward where the loss would set the peak (see gradaccel/frontier.py). ``model.train()`` with a loss the model
-            computes (``labels``) is what is profiled; for a plain module, its output summed.
+            held for backward where the loss would set the peak (see gradaccel/frontier.py).
+            ``model.train()`` with a loss the model computes (``labels``) is what is profiled;
+            for a plain module, its output summed.
         cost ("flops" | "measured" | callable): the recompute cost model, as in
             :func:`gradaccel.checkpoint`.
         offload (bool): as in :func:`gradaccel.checkpoint`: what a block's budget leaves out may

@@ -16,7 +16,8 @@ slack (rounding, fragmentation, the CUDA context) is not measured: ``slack`` res
 
 A Hugging Face causal LM's loss may be computed in chunks (``Fit.chunked_loss``, the head mode
 of gradaccel/frontier.py) where its logits would set the peak. Any module whose blocks
-``checkpoint_blocks`` finds can be fitted with ``make_batch`` and ``loss_fn``. Plans with ``offload=True`` (host memory for what the budget leaves out) are
+``checkpoint_blocks`` finds can be fitted with ``make_batch`` and ``loss_fn``. Plans with
+``offload=True`` (host memory for what the budget leaves out) are
 predicted the same way and proposed in ``Fit.options`` where they are faster or fit alone.
 """
 
@@ -33,7 +34,7 @@ from gradaccel._fitparts import (OPTIMS, LoRALinear, _period, _suggest, fake_mod
                                  load_config, static_parts)
 from gradaccel._knapsack import least_peak, least_recompute
 from gradaccel._presets import PRESETS
-from gradaccel.frontier import install_head, install_parts, set_head, set_parts, stock_head
+from gradaccel.frontier import head_flops, install_head, install_parts, set_head, set_parts
 from gradaccel._profile import PARTS, TILES, Profile, find_blocks
 from gradaccel._trace import FLOPS_PER_BYTE
 from gradaccel.memory import format_bytes, parse_bytes
@@ -167,9 +168,8 @@ class Planner:
         self.load_in_4bit, self.lora = load_in_4bit, lora
         self.profiles = {}
         # The loss in chunks (gradaccel/frontier.py's head mode) is an option for a causal LM
-        # with the stock loss, profiled as the model computes it.
-        lm_head = stock_head(self.profiled) if loss_fn is None else None
-        self.head_flops = 0 if lm_head is None else 2 * lm_head.weight.numel()  # per token, the matmul again
+        # with the stock loss, profiled as the model computes it. Its price per token:
+        self.head_flops = head_flops(self.profiled) if loss_fn is None else 0
 
     def profile(self, seq, micro_batch, chunked_loss=False) -> Profile:
         """The profile of one micro-step (``chunked_loss``: with the loss computed in chunks)."""
@@ -300,9 +300,8 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
     pred = setup.predict(prof, points, exact)
     st = setup.static
     step = max(pred["peak"], st.step)
-    recompute = sum(p.cost for p in points)
-    if chunked_loss:  # backward makes each chunk's logits again
-        recompute += setup.head_flops * micro_batch * seq
+    head = setup.head_flops * micro_batch * seq if chunked_loss else 0  # each chunk's logits again
+    recompute = sum(p.cost for p in points) + head
     forward = sum(prof.kind_of[s].forward_cost for s in (setup.layout or range(len(prof.blocks))))
     fold = FLOPS_PER_BYTE["cpu"] * 10 * st.trainable  # reading a grad and updating the fp32 buffer
     base = 3 * forward + fold
@@ -323,7 +322,7 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
         host["activations offloaded by the blocks"] = offloaded
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,
-               sum(p.flops for p in points) + (setup.head_flops * micro_batch * seq if chunked_loss else 0),
+               sum(p.flops for p in points) + head,
                (batch // micro_batch) * (base + recompute), host=host,
                offload=bool(offloaded), chunked_loss=chunked_loss)
 
@@ -380,7 +379,8 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
     per-block plans with the least recompute whose predicted peak fits (gradaccel/_knapsack.py),
     with the causal LM loss as the model computes it or, where that does not fit or the peak is
     at the loss, computed in chunks without logits held for backward (``chunked_loss``: one
-    more LM-head matmul in backward; Hugging Face causal LMs with the stock loss), and picks the configuration with the least predicted step time (the planner's cost model:
+    more LM-head matmul in backward; Hugging Face causal LMs with the stock loss), and picks
+    the configuration with the least predicted step time (the planner's cost model:
     forward and backward, recompute, and the per-micro-batch fold into the fp32 buffer).
 
     Args:

@@ -223,6 +223,13 @@ def stock_head(model: nn.Module):
     return head if isinstance(model.loss_function, _HeadLoss) or model.loss_function is ForCausalLMLoss else None
 
 
+def head_flops(model: nn.Module) -> int:
+    """What the loss in chunks costs beyond the model's own loss, per token: the LM head's matmul
+    once more in backward (2 FLOPs a weight). 0 where the model has no stock head."""
+    head = stock_head(model)
+    return 0 if head is None else 2 * head.weight.numel()
+
+
 def install_head(model: nn.Module) -> bool:
     """Prepares head mode on a Hugging Face causal LM whose loss is the stock ``ForCausalLMLoss``
     (off until :func:`set_head`). Returns whether the model has such a head."""
@@ -333,8 +340,7 @@ class MemoryTarget:
         labels = kwargs.get("labels")
         if self.has_head and torch.is_tensor(labels) and (points is None or plain.predict(points)["phase"] == "head"):
             tried[True] = plan(True)
-        # The loss in chunks makes each chunk's logits again in backward: one LM-head matmul more.
-        head_cost = 2.0 * labels.numel() * stock_head(module).weight.numel() if True in tried else 0.0
+        head_cost = labels.numel() * head_flops(module) if True in tried else 0
         fitting = [(sum(p.cost for p in pts) + head_cost * h, h) for h, (_, _, pts) in tried.items() if pts is not None]
         if fitting:
             head = min(fitting)[1]
