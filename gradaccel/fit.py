@@ -34,7 +34,7 @@ from gradaccel._fitparts import (OPTIMS, LoRALinear, _period, _suggest, fake_mod
                                  load_config, static_parts)
 from gradaccel._knapsack import least_peak, least_recompute
 from gradaccel._presets import PRESETS
-from gradaccel.frontier import head_flops, install_head, install_parts, set_head, set_parts
+from gradaccel.frontier import head_flops, install_head, set_head, set_plans
 from gradaccel._profile import PARTS, TILES, Profile, find_blocks
 from gradaccel._trace import FLOPS_PER_BYTE
 from gradaccel.memory import format_bytes, parse_bytes
@@ -80,16 +80,10 @@ class Fit:
             raise ValueError("this plan computes the loss in chunks (chunked_loss), which needs a Hugging Face "
                              "causal LM with its stock loss")
         checkpoint_blocks(model, offload=self.offload)
-        set_head(model, self.chunked_loss)
         blocks = find_blocks(model)
         if len(blocks) != len(self.budgets):
             raise ValueError(f"model has {len(blocks)} blocks, the fit was made for {len(self.budgets)}")
-        for block, budget in zip(blocks, self.budgets):
-            if budget in (PARTS, TILES):  # uncheckpointed, its parts checkpointed (gradaccel/frontier.py)
-                install_parts(block)
-                set_parts(block, True, budget == TILES)
-            else:
-                block._gradaccel_budget = budget
+        set_plans(model, blocks, self.chunked_loss, self.budgets)
         if not isinstance(optimizer, FusedAccumOptimizer):
             optimizer = FusedAccumOptimizer(optimizer, self.accum_steps, **kwargs)
         return model, optimizer

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as _tc
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTarget", "ChunkedLinearCrossEntropy", "install_head", "set_head"]
+__all__ = ["MemoryTarget", "ChunkedLinearCrossEntropy", "install_head", "set_head", "set_plans"]
 
 TILES = 4  # token chunks of a token-wise part in "tiles" mode
 _busy = threading.local()
@@ -269,6 +269,23 @@ def _step(model, batch):
     return _loss_of(model(*args, **kwargs))
 
 
+def set_plans(model: nn.Module, blocks: list, chunked_loss: bool, settings: list) -> None:
+    """Sets what each of ``model``'s checkpointed ``blocks`` runs: ``settings[i]`` is block
+    ``i``'s int budget, None (uncheckpointed), or PARTS / TILES (gradaccel/_profile.py); and the
+    loss in chunks on or off (the head must be installed to turn it on)."""
+    from gradaccel._profile import PARTS, TILES
+
+    for block, s in zip(blocks, settings):
+        if s in (PARTS, TILES):
+            install_parts(block)
+        set_parts(block, s in (PARTS, TILES), s == TILES)
+        if s is None:  # a plan that recomputes nothing: no checkpoint, and none of its cost
+            block._gradaccel_fine = True
+        elif s not in (PARTS, TILES):
+            block._gradaccel_budget = s
+    set_head(model, chunked_loss)
+
+
 class MemoryTarget:
     """``checkpoint_blocks(memory=...)``'s forward pre-hook: picks, per input shape, the plan
     with the least recompute whose step peak fits ``memory`` (see the module docstring).
@@ -314,16 +331,7 @@ class MemoryTarget:
 
     @staticmethod
     def _set(model, blocks, head, settings):
-        """``settings[i]``: block ``i``'s int budget, None (uncheckpointed), or PARTS / TILES."""
-        from gradaccel._profile import PARTS, TILES
-
-        for block, s in zip(blocks, settings):
-            set_parts(block, s in (PARTS, TILES), s == TILES)
-            if s is None:  # a plan that recomputes nothing: no checkpoint, and none of its cost
-                block._gradaccel_fine = True
-            elif s not in (PARTS, TILES):
-                block._gradaccel_budget = s
-        set_head(model, head)
+        set_plans(model, blocks, head, settings)
 
     def _choose(self, module, args, kwargs):
         from gradaccel._knapsack import least_peak, least_recompute
