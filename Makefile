@@ -26,7 +26,7 @@ STAMP := build/.gradaccel-installed
 # flock: several shells may build the one extension at once.
 LOCK  := flock build/.build.lock
 
-.PHONY: install test cuda-check compat bench clean
+.PHONY: install test cuda-check compat bench results clean
 
 # The extension is rebuilt in place on every install: build/ is kept, so ninja recompiles only
 # what changed and a no-op takes seconds. (A stamp file would miss an edit made mid-build.)
@@ -58,14 +58,14 @@ test: install
 # as a CUDA build sees them (GRADACCEL_WITH_CUDA): that code runs only on a GPU, so a CPU
 # machine checks at least that it compiles. Both need only torch's CPU headers.
 cuda-check: install
-	@set -e; files="$$(find csrc -name '*.cu')"; \
+	@set -e; files="$$(find gradaccel/ops/csrc -name '*.cu')"; \
 	if [ -z "$$files" ]; then echo "cuda-check: no .cu sources"; exit 0; fi; \
 	out=$$(mktemp -d); for f in $$files; do \
 		echo "nvcc $$f"; $(NVCC) -std=c++20 -O3 $(CUDA_ARCHS) -c $$f -o $$out/$$(basename $$f).o; \
 	done; rm -rf $$out
 	@set -e; inc="$$($(PY) -c 'import sysconfig; from torch.utils.cpp_extension import include_paths; \
 		print(" ".join("-I" + p for p in include_paths() + [sysconfig.get_path("include")]))')"; \
-	for f in $$(grep -l GRADACCEL_WITH_CUDA csrc/*.cpp); do \
+	for f in $$(grep -l GRADACCEL_WITH_CUDA gradaccel/ops/csrc/*.cpp); do \
 		echo "c++ -DGRADACCEL_WITH_CUDA $$f"; $(CXX) -std=c++20 -fsyntax-only -Wall -DGRADACCEL_WITH_CUDA=1 -Ibuild/generated $$inc $$f; \
 	done
 
@@ -93,11 +93,15 @@ compat:
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -c "import torch, triton; print('compat:', torch.__version__, 'triton', triton.__version__)"
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pytest -q tests
 
-# Writes bench/results/latest, then copies the run's tables into bench/RESULTS.md and README.md
-# (each only if every suite succeeded).
+# Writes bench/results/latest (ignored by git): the tree stays as it was. Publishing a run's
+# tables is a step of its own, `make results`.
 bench: install
-	$(PY) -m bench --results-md bench/RESULTS.md
-	$(PY) -m bench.report bench/results/latest --results-md README.md
+	$(PY) -m bench
+
+# Copies the latest run's tables into bench/RESULTS.md and its headline rows into README.md.
+results:
+	$(PY) -m bench.report bench/results/latest --results-md bench/RESULTS.md
+	$(PY) -m bench.headline bench/results/latest --readme README.md
 
 clean:
 	rm -rf build *.egg-info gradaccel/*.so $(VENV)

@@ -1,6 +1,6 @@
 """Builds gradaccel's extension ``gradaccel._C``.
 
-A ``CppExtension`` from ``csrc/*.cpp``; a ``CUDAExtension`` that adds ``csrc/cuda/*.cu`` where
+A ``CppExtension`` from ``gradaccel/ops/csrc/*.cpp``; a ``CUDAExtension`` that adds ``gradaccel/ops/csrc/cuda/*.cu`` where
 torch has CUDA and ``CUDA_HOME`` is set. ``GRADACCEL_CUDA=0/1`` overrides the choice. Build with
 ``pip install --no-build-isolation -e .`` (``make install`` does this) so the torch already
 installed is the one built against.
@@ -15,14 +15,14 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = Path(__file__).parent
-CSRC = ROOT / "csrc"
+CSRC = ROOT / "gradaccel" / "ops" / "csrc"
 
 # Two cores on CI: uncapped parallel nvcc/g++ jobs only thrash memory.
 os.environ.setdefault("MAX_JOBS", str(min(4, os.cpu_count() or 1)))
 
 
 def _load_source_hash():
-    spec = importlib.util.spec_from_file_location("_gradaccel_source_hash", ROOT / "gradaccel" / "_source_hash.py")
+    spec = importlib.util.spec_from_file_location("_gradaccel_source_hash", ROOT / "gradaccel" / "ops" / "source_hash.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.source_hash(CSRC)
@@ -36,7 +36,7 @@ def _want_cuda() -> bool:
 
 
 def _write_hash_header() -> Path:
-    """Writes the sources' hash into a generated header that only csrc/module.cpp includes.
+    """Writes the sources' hash into a generated header that only gradaccel/ops/csrc/module.cpp includes.
 
     A header rather than a -D flag: a changed flag would make ninja recompile every file.
     """

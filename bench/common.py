@@ -1,7 +1,11 @@
 """What every suite shares: the row format and an interleaved, warmed-up median timer."""
 
+import contextlib
 import os
+import re
 import statistics
+import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -82,6 +86,35 @@ def tiny() -> bool:
     too small to mean anything; only the code paths, the rows and the plots are checked.
     """
     return os.environ.get(TINY_ENV, "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def stderr_without(pattern: str):
+    """Hides lines matching ``pattern`` that C++ code writes to file descriptor 2 (the kineto
+    profiler's ``USDT ... profiler_start`` lines) and passes every other line through."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                    if not re.search(pattern, ln)]
+            sys.stderr.write("".join(kept))
+
+
+def hf_checkpointing(model) -> None:
+    """Hugging Face gradient checkpointing on ``model``, non-reentrant, under the name the
+    installed transformers has (5.x renamed ``gradient_checkpointing_enable``, which warns)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def pyplot():

@@ -100,7 +100,7 @@ class _Traffic:
 
 def _grad_bytes(model, opt) -> int:
     """Gradient bytes this rank holds now: sharded .grad, FSDP2's unsharded ones, our buffer."""
-    from gradaccel._sharded import _fsdp_params
+    from gradaccel.accumulate.sharded import _fsdp_params
     held = sum(p.grad._local_tensor.nbytes for p in model.parameters() if p.grad is not None)
     for _, fp in _fsdp_params(model):  # FSDP2's private records: the only place these live
         if fp.unsharded_accumulated_grad is not None:

@@ -20,9 +20,9 @@ On CUDA the measured variant is also taken with ``torch.cuda.max_memory_allocate
 import torch
 
 import gradaccel
-from bench.common import progress, pyplot, row, save_figure, tiny
-from gradaccel.fit import Planner, find_blocks, hf_step
-from gradaccel.memory import measured_peak
+from bench.common import hf_checkpointing, progress, pyplot, row, save_figure, tiny
+from gradaccel.memory.fit import Planner, find_blocks, hf_step
+from gradaccel.memory.counter import measured_peak
 
 SUITE = "fit"
 BASELINE = ["gradaccel-measured", "gradaccel-equal-fraction"]
@@ -85,7 +85,7 @@ def _offload_rows(device: str, planners: dict, quick: bool) -> list[dict]:
     (which decides what is offloaded) is this machine's, measured once per process."""
     import functools
 
-    from gradaccel._frames import store_for
+    from gradaccel.recompute.frames import store_for
 
     rows = []
     shape = next(iter(planners))
@@ -99,7 +99,7 @@ def _offload_rows(device: str, planners: dict, quick: bool) -> list[dict]:
     predicted = planner.estimate(seq, mb, budgets, offload=True)
     gradaccel.reset_plans()
     model = _model(shape, device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_checkpointing(model)
     for block, b in zip(find_blocks(model), budgets):
         block._gradient_checkpointing_func = functools.partial(gradaccel.checkpoint, budget=b, offload=True)
     store = store_for(None)
@@ -135,7 +135,7 @@ def _split_rows(device: str) -> list[dict]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from bench.models import Block, GPTConfig
-    from gradaccel.memory import LiveBytes
+    from gradaccel.memory.counter import LiveBytes
 
     T, C = (32, 32) if tiny() else (256, 128)
     heads = (1, 8, 1, 8)
@@ -211,8 +211,8 @@ def seed_table(seq: int = 2048) -> str:
     LoRA r=16 on every linear layer, 8-bit AdamW, micro-batch 1) with keep-nothing checkpoints
     and with the least plan gradaccel has (``fit`` to 1 byte: the loss in chunks, blocks as
     their parts where that lowers the peak; no offload). ``python -m bench.fit`` prints it."""
-    from gradaccel.fit import Planner, estimate
-    from gradaccel.memory import format_bytes
+    from gradaccel.memory.fit import Planner, estimate
+    from gradaccel.memory.counter import format_bytes
 
     lines = [f"| model | seed: plain | predicted: bf16 AdamW, no checkpointing, T{seq} | seed: everything | "
              f"predicted: QLoRA r16 + 8-bit AdamW + checkpointing, T{seq} | the same, least gradaccel plan | "

@@ -11,7 +11,7 @@ micro-batch 1, fp32, CPU), one training step (forward with ``labels``, backward)
   the partitioner choosing what to recompute; dynamo is reset between budgets;
 - ``gradaccel-memory<f>``: ``gradaccel.checkpoint_blocks(model, memory=f * P)``, ``P`` the
   measured peak of ``torch-nockpt``: per-block plans, or below their floor the block's parts
-  and a chunked loss (gradaccel/frontier.py).
+  and a chunked loss (gradaccel/memory/target.py).
 
 Metrics: ``peak_bytes``, the peak of bytes allocated during the step (torch's profiler with
 ``profile_memory``, which sees inductor's buffers too; gradients included, ``.grad`` is None
@@ -31,7 +31,7 @@ import time
 import torch
 
 import gradaccel
-from bench.common import progress, pyplot, row, save_figure, time_interleaved, tiny
+from bench.common import hf_checkpointing, progress, pyplot, row, save_figure, stderr_without, time_interleaved, tiny
 
 SUITE = "frontier"
 BASELINE = "torch-nockpt"
@@ -67,8 +67,9 @@ def profiled_peak(fn) -> int:
     allocations; on CUDA, use ``torch.cuda.max_memory_allocated`` instead)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+    with stderr_without(r"^USDT:.*profiler_(start|stop)"):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, n in events:
@@ -132,7 +133,7 @@ def run(device: str, quick: bool) -> list[dict]:
     eager = {"torch-nockpt": (ref, ref_step)}
 
     hf = _model(s, device)
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_checkpointing(hf)
     eager["torch-hf-checkpointing"] = (hf, stepper(hf)[1])
     for f in fractions:
         m = gradaccel.checkpoint_blocks(_model(s, device), memory=int(f * base_peak))

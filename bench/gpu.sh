@@ -25,7 +25,7 @@ if ! timeout 150 make PYTHON="$PY" install > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"
   exit 1
 fi
-"$PY" -c "import torch; from gradaccel import _ext
+"$PY" -c "import torch; from gradaccel.ops import extension as _ext
 print('extension built with CUDA:', _ext.load().with_cuda, '| GPU visible:', torch.cuda.is_available())"
 
 echo "== tests (CUDA where a test has a device parameter)"

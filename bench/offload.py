@@ -5,7 +5,7 @@ Variants, on a stack of GPT blocks (``bench.models.Block``), forward + backward:
 - ``torch-keep``: no offload, autograd keeps every saved activation on the device;
 - ``torch-save_on_cpu``: ``torch.autograd.graph.save_on_cpu`` (Hugging Face's offload:
   synchronous copies on the compute stream);
-- ``gradaccel-offload``: ``gradaccel.offload.offload_saved_tensors`` (pooled host buffers, copies
+- ``gradaccel-offload``: ``gradaccel.recompute.offload.offload_saved_tensors`` (pooled host buffers, copies
   on side streams, prefetch in backward).
 
 Metrics: ``time`` (s per step, median, interleaved); on CPU ``held_bytes``: what the forward
@@ -13,7 +13,7 @@ leaves for backward wherever it lies (torch storages created in the forward and 
 plus the store's buffers in use); on CUDA ``device_bytes`` (``memory_allocated`` after the
 forward, less before) and, for the store, ``host_bytes``. On CPU the host *is* the device, so
 offload cannot save memory there: the CPU rows measure the mechanism's overhead. Also the
-measured copy bandwidth (``gradaccel.offload.copy_bandwidth``).
+measured copy bandwidth (``gradaccel.recompute.offload.copy_bandwidth``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from bench.common import progress, pyplot, row, save_figure, time_interleaved, tiny
 from bench.models import Block, GPTConfig
-from gradaccel.offload import ActivationStore, copy_bandwidth, offload_saved_tensors
+from gradaccel.recompute.offload import ActivationStore, copy_bandwidth, offload_saved_tensors
 
 SUITE = "offload"
 BASELINE = "torch-keep"

@@ -24,7 +24,7 @@ import torch
 from bench import common
 from bench.common import row, time_interleaved
 from bench.models import GPT, GPTConfig, synthetic_tokens
-from gradaccel.optimizer import FusedAccumOptimizer
+from gradaccel import FusedAccumOptimizer
 
 SUITE = "train"
 TABLE_METRICS = ["window_time", "window_time_ratio", "final_loss", "loss_max_abs_diff",

@@ -9,7 +9,7 @@ SGD (it allocates nothing itself), one window of two micro-batches whose gradien
 hand. Stock PyTorch's ``opt.step()`` on bf16 ``.grad`` is the baseline. On CUDA the figure is
 ``torch.cuda.max_memory_allocated`` above the memory before the step; on CPU, the bytes of the
 storages created by the step and alive when the inner optimizer begins
-(``gradaccel.measure.StorageLog``). The time is the median of the update step alone, unlogged.
+(``gradaccel.memory.measure.StorageLog``). The time is the median of the update step alone, unlogged.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 import torch
 
 from bench.accumulate import gpt2_layout
-from gradaccel.measure import StorageLog
-from gradaccel.optimizer import FusedAccumOptimizer
+from gradaccel.memory.measure import StorageLog
+from gradaccel import FusedAccumOptimizer
 
 
 def _held_at_inner_step(opt, inner) -> int:

@@ -10,15 +10,20 @@
 - :func:`gradaccel.fit.fit` (``python -m gradaccel.fit``): micro-batch, accumulation and every
   block's plan for a memory target, predicted on fake tensors before the first step.
   ``checkpoint_blocks(model, memory="6GiB")`` plans one step to a memory target, below the
-  per-block floor too (:mod:`gradaccel.frontier`).
+  per-block floor too (:mod:`gradaccel.memory.target`).
 - :mod:`gradaccel.ops`: the fused accumulate kernels (C++ on CPU, Triton on CUDA).
+
+The package reads as its architecture, one subpackage per feature, dependencies running one
+way: ``integrations`` (checkpoint_blocks, Hugging Face) -> ``memory`` (planning: the fit, the
+``memory=`` target, the counter) -> ``recompute`` (checkpoint) and ``accumulate`` (the
+optimizer) -> ``ops`` (kernels).
 """
 
 from gradaccel.version import __version__
 from gradaccel import hf, ops
-from gradaccel.blocks import checkpoint_blocks
-from gradaccel.checkpoint import checkpoint, checkpoint_sequential, plan_report, plan_rows, reset_plans
-from gradaccel.optimizer import FusedAccumOptimizer, WindowScheduler
+from gradaccel.accumulate import FusedAccumOptimizer, WindowScheduler
+from gradaccel.integrations import checkpoint_blocks
+from gradaccel.recompute import checkpoint, checkpoint_sequential, plan_report, plan_rows, reset_plans
 
 __all__ = [
     "__version__", "hf", "ops", "checkpoint", "checkpoint_sequential", "checkpoint_blocks", "plan_report",

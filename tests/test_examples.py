@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # gloo can abort a rank at interpreter exit, after everything has run (torch's teardown, seen in
-# CI for tests/test_distributed.py): with the run's own check passed, that is not the example's.
+# CI for tests/accumulate/test_distributed.py): with the run's own check passed, that is not the example's.
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 
 

@@ -1,0 +1,92 @@
+"""``gradaccel.checkpoint_blocks``: checkpoint every repeated block of a model, at a per-block
+``budget`` or to one ``memory`` target for the whole training step.
+
+The blocks are found and wrapped by gradaccel/recompute/blocks.py; a ``memory`` target is planned
+at the first training call by gradaccel/memory/target.py.
+"""
+
+import torch.nn as nn
+
+from gradaccel.memory.counter import parse_bytes
+from gradaccel.memory.profile import find_blocks
+from gradaccel.memory.target import MemoryTarget
+from gradaccel.recompute import blocks
+
+__all__ = ["checkpoint_blocks"]
+
+
+def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="flops", offload=False):
+    """Checkpoint each repeated block of ``model`` in place, through ``gradaccel.checkpoint``.
+
+    In training mode with grad enabled, each block's forward runs inside
+    ``gradaccel.checkpoint(..., budget=budget)``; in eval mode or under ``torch.no_grad()`` it
+    runs as before, so ``model.eval()`` and ``generate()`` keep working. Outputs and gradients are
+    those of the model without checkpointing.
+
+    Which blocks:
+
+    - A Hugging Face ``PreTrainedModel`` with ``supports_gradient_checkpointing`` goes through its
+      own hook (``_set_gradient_checkpointing(gradient_checkpointing_func=...)``), which picks its
+      layers itself, plus ``enable_input_require_grads()`` for models fed ``input_ids``. (Remote
+      code that overrides that hook with its pre-4.35 signature is handled as a plain model.) A plain
+      module holding such models (a custom head around ``AutoModel``) gets the same treatment for
+      each of them when ``block_types`` is None.
+    - Any other model: every outermost module matching ``block_types``, or if that is None the
+      entries of the ``nn.ModuleList`` objects whose entries all have one class, for the class
+      whose lists hold the most parameters (all of them: a model in stages has every block
+      found, inside its lists of lists). The block's class is swapped for a subclass whose
+      ``forward`` is checkpointed; its parameters and ``state_dict`` keys do not change, and
+      module hooks run outside the checkpointed region (once per step, not again during
+      recompute).
+      ``state_dict()``, ``copy.deepcopy`` and ``torch.save(model)`` keep working.
+
+    Hugging Face checkpointing already on (turned on by peft's ``prepare_model_for_kbit_training``,
+    Trainer or TRL) is taken over: the layers it checkpoints now run ``gradaccel.checkpoint`` at
+    ``budget`` instead of torch's, once, and a later ``activation_checkpointing_enable()`` /
+    ``gradient_checkpointing_enable()`` on the model installs gradaccel's too (see
+    :func:`release` to undo). Calling it again on a model it already checkpoints, or on one
+    wrapped by torch's ``checkpoint_wrapper``, raises ``RuntimeError`` (use :func:`set_budget` to
+    change the budget); finding no block raises ``ValueError``. Nothing is ever wrapped twice.
+
+    Args:
+        model (nn.Module): the model, changed in place.
+        budget (None | float | int): per block, as :func:`gradaccel.checkpoint` defines it (``None``
+            keeps nothing inside a block: ``torch.utils.checkpoint``'s memory).
+        block_types (None | type | str | sequence of them): block classes, or class names such as
+            ``"LlamaDecoderLayer"``. Must be None for Hugging Face models that support
+            gradient checkpointing (their own hook picks the layers).
+        memory (None | int | str): instead of ``budget``, one memory target for the training step,
+            in bytes or as a string such as ``"6GiB"``: the most bytes one forward and backward
+            may add above what exists before it (activations held for backward, backward's working
+            set and the parameters' gradients, as ``gradaccel.memory.LiveBytes`` counts them). At
+            the first training call for an input shape the model is profiled on fake tensors and
+            the plan with the least recompute whose peak fits is chosen: per block, a checkpoint
+            budget or the block's parts as their own checkpoints, split on the peak's own terms
+            (gradaccel/memory/split.py), and a causal LM's loss computed in chunks without logits
+            held for backward where the loss would set the peak (see gradaccel/memory/target.py).
+            ``model.train()`` with a loss the model computes (``labels``) is what is profiled;
+            for a plain module, its output summed.
+        cost ("flops" | "measured" | callable): the recompute cost model, as in
+            :func:`gradaccel.checkpoint`.
+        offload (bool): as in :func:`gradaccel.checkpoint`: what a block's budget leaves out may
+            go to host memory where copying beats recomputing (``gradaccel.fit`` proposes it).
+
+    Returns:
+        nn.Module: ``model`` itself.
+
+    Raises:
+        ValueError: bad ``budget``, ``cost`` or ``memory`` (or both given), no block found, or ``block_types``
+            given for a Hugging Face model.
+        RuntimeError: ``model`` is already checkpointed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if memory is not None:
+        if budget is not None:
+            raise ValueError("give checkpoint_blocks either budget (per block) or memory (for all blocks), not both")
+        memory = parse_bytes(memory, "memory")
+        budget = 0  # keep nothing until the first training call splits memory across the blocks
+    blocks.install(model, budget, block_types, cost, offload)
+    if memory is not None:
+        model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model), with_kwargs=True)
+    return model

@@ -1,0 +1,219 @@
+"""Hugging Face entry point: one line turns a Trainer (TRL's too) or an accelerate loop over to gradaccel.
+
+```python
+trainer = SFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds, peft_config=lora)
+gradaccel.hf.enable(trainer, budget=0.5)        # the one line
+trainer.train()
+```
+
+The framework keeps its own accumulation loop, its loss normalisation (Trainer divides each
+micro-batch's loss by the window's token count, ``num_items_in_batch``), its optimizer (whatever
+``optim=`` builds, 8-bit and paged included), LR schedule, logging, saving and resuming.
+gradaccel takes over three things underneath:
+
+- the gradient: the optimizer is wrapped in ``FusedAccumOptimizer(opt, 1, normalize="sum")``, so
+  each micro-batch's gradient folds into one fp32 buffer as backward produces it and ``.grad``
+  is freed; the framework's one ``step()`` per window applies the sum, as its own ``.grad``
+  accumulation would;
+- the clipping: ``accelerator.clip_grad_norm_`` (which Trainer calls every window, to log
+  ``grad_norm`` even without clipping) measures and clips that buffer in the same pass;
+- the checkpoint: Hugging Face gradient checkpointing, whoever turns it on (``TrainingArguments
+  (gradient_checkpointing=True)``, SFTConfig's default, peft's ``prepare_model_for_kbit_training``,
+  a later ``activation_checkpointing_enable()``), runs ``gradaccel.checkpoint`` at ``budget``.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from gradaccel.recompute import blocks
+from gradaccel.recompute.checkpoint import _check_budget
+from gradaccel.accumulate.optimizer import FusedAccumOptimizer
+
+__all__ = ["enable"]
+
+
+def enable(target: Any, budget: None | float | int = None) -> Any:
+    """Puts gradaccel under a Hugging Face ``Trainer`` (or ``trl.SFTTrainer``) or an ``accelerate.Accelerator``.
+
+    Call it on the trainer after building it and before ``train()``; on an accelerator before
+    ``accelerator.prepare(...)``. Nothing else in the script changes.
+
+    Args:
+        target: a ``transformers.Trainer`` (any subclass) or an ``accelerate.Accelerator``.
+        budget: the checkpoint budget per layer, as :func:`gradaccel.checkpoint` defines it
+            (``None`` keeps nothing: the memory of HF's checkpointing). It applies
+            where HF gradient checkpointing is (or later gets) turned on; with it off, a budget
+            other than None is warned about. A model that ``checkpoint_blocks`` already
+            checkpoints keeps its budget (``gradaccel.recompute.blocks.set_budget`` changes it).
+
+    Returns:
+        ``target``.
+
+    Raises:
+        TypeError: ``target`` is neither; the trainer already holds a ``FusedAccumOptimizer`` that
+            accumulates by itself.
+        ValueError: a set-up gradaccel cannot serve: fp16 with a gradient scaler, DeepSpeed,
+            FSDP, several processes, a bad ``budget``; or, at ``prepare``, an optimizer that
+            misses parameters the model trains (built before peft added its adapters).
+    """
+    _check_budget(budget)
+    accelerate = sys.modules.get("accelerate")
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(target, transformers.Trainer):
+        _enable_trainer(target, budget)
+    elif accelerate is not None and isinstance(target, accelerate.Accelerator):
+        _patch_accelerator(target, budget)
+    else:
+        raise TypeError(f"gradaccel.hf.enable takes a transformers.Trainer or an accelerate.Accelerator, "
+                        f"got {type(target).__name__}")
+    return target
+
+
+def _enable_trainer(trainer, budget) -> None:
+    args = trainer.args
+    if getattr(args, "fp16", False):
+        raise ValueError("gradaccel.hf.enable: fp16=True trains with a gradient scaler that unscales and "
+                         "checks .grad, which gradaccel frees; use bf16=True (no scaler)")
+    if isinstance(trainer.optimizer, FusedAccumOptimizer) or isinstance(
+            getattr(trainer.optimizer, "optimizer", None), FusedAccumOptimizer):
+        raise TypeError("gradaccel.hf.enable: the trainer's optimizer is already a FusedAccumOptimizer. Pass the "
+                        "plain optimizer (or none: optim= builds it); Trainer keeps its own accumulation "
+                        "(gradient_accumulation_steps) and gradaccel wraps the optimizer itself")
+    model = trainer.model
+    checkpointing = bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None))
+    _checkpoint(model, budget, on=checkpointing)
+    _patch_accelerator(trainer.accelerator, budget)
+    if "create_accelerator_and_postprocess" not in vars(trainer):
+        # A hyper-parameter search builds a new accelerator per trial: it gets gradaccel too.
+        create = trainer.create_accelerator_and_postprocess
+
+        def create_accelerator_and_postprocess():
+            create()
+            _patch_accelerator(trainer.accelerator, trainer._gradaccel_budget)
+
+        trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
+    trainer._gradaccel_budget = budget
+
+
+def _checkpoint(model: nn.Module, budget, on: bool) -> None:
+    """HF checkpointing on (or asked for): gradaccel's at ``budget``. Off: stays off, but whoever
+    turns it on later gets gradaccel's."""
+    if any("_gradaccel_checkpoint" in vars(m) for m in model.modules()):
+        return  # checkpoint_blocks was called already, with the user's budget
+    hf = blocks._hf_models(model)
+    was_on = any(getattr(m, "gradient_checkpointing", False) is True for h in hf for m in h.modules())
+    if on or was_on:
+        blocks.install(model, budget=budget)
+        return
+    for m in hf:
+        blocks._take_over(m, budget)
+    if budget:
+        warnings.warn(f"gradaccel.hf.enable: budget={budget!r} has no effect, gradient checkpointing is off; "
+                      "turn it on (gradient_checkpointing=True in TrainingArguments/SFTConfig, or "
+                      "model.activation_checkpointing_enable()) to checkpoint under it", UserWarning, stacklevel=4)
+
+
+class _State:
+    """What gradaccel keeps on a patched accelerator: its budget and the optimizers it wrapped."""
+
+    def __init__(self, budget):
+        self.budget = budget
+        self.optimizers: list[weakref.ref] = []
+
+    def fused(self) -> list[FusedAccumOptimizer]:
+        return [o for o in (r() for r in self.optimizers) if o is not None]
+
+
+def _patch_accelerator(acc, budget) -> None:
+    state = getattr(acc, "_gradaccel", None)
+    if state is not None:
+        state.budget = budget
+        return
+    from accelerate.utils import DistributedType
+
+    if acc.distributed_type != DistributedType.NO or acc.num_processes > 1:
+        raise ValueError(f"gradaccel.hf.enable: {acc.distributed_type} with {acc.num_processes} process(es) is not "
+                         "supported; gradaccel reduces gradients itself: use a plain model and "
+                         "FusedAccumOptimizer(..., process_group=...) (examples/ddp_accumulate.py)")
+    if getattr(acc, "scaler", None) is not None:
+        raise ValueError("gradaccel.hf.enable: mixed_precision='fp16' uses a gradient scaler that reads .grad, "
+                         "which gradaccel frees; use bf16")
+    state = acc._gradaccel = _State(budget)
+    prepare, prepare_optimizer = acc.prepare, acc.prepare_optimizer
+    clip_grad_norm_, backward = acc.clip_grad_norm_, acc.backward
+
+    def prepare_optimizer_(optimizer, device_placement=None):
+        if not getattr(optimizer, "_is_accelerate_prepared", False):
+            optimizer = _wrap(optimizer)
+            state.optimizers.append(weakref.ref(optimizer))
+        elif not isinstance(optimizer.optimizer, FusedAccumOptimizer):
+            # Prepared before gradaccel was enabled (a Trainer trained once already): wrap inside.
+            optimizer.optimizer = _wrap(optimizer.optimizer)
+            state.optimizers.append(weakref.ref(optimizer.optimizer))
+        return prepare_optimizer(optimizer, device_placement=device_placement)
+
+    def prepare_(*args, device_placement=None):
+        for a in args:
+            if isinstance(a, nn.Module):
+                _checkpoint(a, state.budget, on=False)
+        out = prepare(*args, device_placement=device_placement)
+        models = [m for m in (*args, *acc._models) if isinstance(m, nn.Module)]
+        for opt in state.fused():
+            for m in models:
+                _check_covers(m, opt)
+        return out
+
+    def clip_grad_norm__(parameters, max_norm, norm_type=2):
+        fused = state.fused()
+        if not fused:
+            return clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        if float(norm_type) != 2.0 or len(fused) > 1:
+            raise ValueError("gradaccel: accelerator.clip_grad_norm_ supports norm_type=2 and one optimizer")
+        return fused[0].clip_grad_norm_(max_norm)
+
+    def clip_grad_value__(parameters, clip_value):
+        raise NotImplementedError("gradaccel: clip_grad_value_ would read .grad, which gradaccel frees "
+                                  "(the window's gradient lives in one fp32 buffer); use clip_grad_norm_")
+
+    def backward_(loss, **kwargs):
+        backward(loss, **kwargs)
+        # What was differentiated (accelerate divides by its accumulation steps): summed over the
+        # window it is the window's loss, as the "sum" gradient is the window's gradient.
+        for opt in state.fused():
+            opt._add_loss(loss.detach() / acc.gradient_accumulation_steps)
+
+    acc.prepare, acc.prepare_optimizer = prepare_, prepare_optimizer_
+    acc.clip_grad_norm_, acc.clip_grad_value_, acc.backward = clip_grad_norm__, clip_grad_value__, backward_
+
+
+def _wrap(optimizer: torch.optim.Optimizer) -> FusedAccumOptimizer:
+    if isinstance(optimizer, FusedAccumOptimizer):
+        if optimizer.accum_steps == 1 and optimizer.normalize == "sum":
+            return optimizer
+        raise TypeError("gradaccel.hf: this FusedAccumOptimizer accumulates by itself (accum_steps="
+                        f"{optimizer.accum_steps}, normalize={optimizer.normalize!r}) while the framework "
+                        "accumulates too; pass the plain optimizer and let gradaccel.hf.enable wrap it")
+    return FusedAccumOptimizer(optimizer, 1, normalize="sum")
+
+
+def _check_covers(model: nn.Module, optimizer: FusedAccumOptimizer) -> None:
+    """Raises where the optimizer cannot see what the model trains: it would silently train nothing."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    held |= {id(p) for p in optimizer._slots.params}  # the model's own where masters are held
+    params = list(model.named_parameters())
+    if not any(id(p) in held for _, p in params):
+        return  # another model (a frozen reference, a teacher): not this optimizer's
+    missing = [n for n, p in params if p.requires_grad and id(p) not in held]
+    if missing:
+        raise ValueError(
+            f"gradaccel.hf: {len(missing)} parameters that {type(model).__name__} trains are not in the optimizer "
+            f"(first: {missing[0]}), so they would never be updated. The optimizer was built before they were "
+            "made (peft adds its adapters in SFTTrainer(peft_config=...) / get_peft_model): let the trainer "
+            "build it (optim=...), or build it on model.parameters() after get_peft_model")

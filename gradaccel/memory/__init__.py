@@ -1,0 +1,15 @@
+"""Memory planning: how much a training step holds, and the plan that fits a target.
+
+- counter.py: :class:`LiveBytes`, the one count of live tensor bytes, and the step's fixed parts
+  (weights, gradients, optimizer state); measure.py: activation bytes held for backward.
+- profile.py: one training micro-step profiled on fake tensors, block by block.
+- split.py: one target split across blocks, least recompute whose predicted peak fits.
+- parts.py and chunked_loss.py: the plans below the per-block floor (a block's parts as their
+  own checkpoints; the causal-LM loss in chunks).
+- target.py: ``checkpoint_blocks(model, memory=...)``; fit.py (``gradaccel.fit``): micro-batch,
+  accumulation and every block's plan for a memory target, with presets.py and fixed_parts.py.
+"""
+
+from gradaccel.memory.counter import LiveBytes, format_bytes, measured_peak, optimizer_state_bytes, parse_bytes, storage_bytes
+
+__all__ = ["LiveBytes", "format_bytes", "measured_peak", "optimizer_state_bytes", "parse_bytes", "storage_bytes"]

@@ -1,0 +1,438 @@
+"""Plan training to a memory target: the micro-batch, accumulation steps and per-block
+checkpoint plans that fit, the fastest first, predicted before the first step.
+
+    fit = gradaccel.fit.fit("llama-3-8b", seq=2048, batch=64, memory="80GiB")
+    print(fit.table())
+    model, opt = fit.apply(model, torch.optim.AdamW(model.parameters(), fused=True))
+
+    python -m gradaccel.fit --model llama-3-8b --seq 2048 --batch 64 --memory 24GiB --lora 16 --load-in-4bit
+
+The prediction is one training step's peak, part by part: weights at their storage size, the
+fp32 window buffer of ``FusedAccumOptimizer``, the optimizer's state (from a step of the real
+optimizer class on fake tensors), the activations each block keeps under its plan and those
+outside the blocks, and each phase's working set (measured on fake tensors with the trace and
+planner ``gradaccel.checkpoint`` itself uses; see gradaccel/memory/profile.py). The allocator's
+slack (rounding, fragmentation, the CUDA context) is not measured: ``slack`` reserves it.
+
+A Hugging Face causal LM's loss may be computed in chunks (``Fit.chunked_loss``, the head mode
+of gradaccel/memory/target.py) where its logits would set the peak. Any module whose blocks
+``checkpoint_blocks`` finds can be fitted with ``make_batch`` and ``loss_fn``. Plans with
+``offload=True`` (host memory for what the budget leaves out) are
+predicted the same way and proposed in ``Fit.options`` where they are faster or fit alone.
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+
+import torch
+import torch.nn as nn
+
+from gradaccel.accumulate.optimizer import FusedAccumOptimizer
+from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
+from gradaccel.memory.counter import format_bytes, parse_bytes
+from gradaccel.memory.fixed_parts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
+                                          load_config, static_parts)
+from gradaccel.memory.presets import PRESETS
+from gradaccel.memory.profile import PARTS, TILES, Profile, find_blocks
+from gradaccel.memory.split import least_peak, least_recompute
+from gradaccel.memory.target import set_plans
+from gradaccel.recompute import blocks as blocks_mod
+from gradaccel.recompute.trace import FLOPS_PER_BYTE
+
+__all__ = ["fit", "estimate", "Fit", "Planner", "PRESETS"]
+
+
+
+# -- predicting one configuration ---------------------------------------------------------------
+@dataclasses.dataclass
+class Fit:
+    """A training configuration and its predicted peak. See :func:`fit`."""
+
+    seq: int
+    micro_batch: int
+    accum_steps: int
+    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint, or "parts" / "tiles"
+    kept: int  # bytes the blocks keep in total beyond their inputs
+    peak: int  # predicted peak of the step, slack excluded
+    parts: dict  # what the peak is made of (bytes)
+    phase: str
+    time: float  # predicted step time relative to the same micro-batch without checkpointing
+    recompute_flops: int  # per micro-batch
+    step_cost: float = 0.0  # planner's cost units per optimizer step (what the fit minimises)
+    memory: int | None = None  # the target, if fitted to one
+    slack: int = 0
+    fits: bool = True
+    suggestions: list = dataclasses.field(default_factory=list)
+    host: dict = dataclasses.field(default_factory=dict)  # bytes held in host memory, not in ``peak``
+    offload: bool = False  # the blocks run gradaccel.checkpoint(..., offload=True)
+    chunked_loss: bool = False  # the LM loss in chunks, no logits held for backward (gradaccel/memory/target.py)
+    options: list = dataclasses.field(default_factory=list)  # other plans worth knowing (Fit each)
+
+    def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
+        """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
+        must not be checkpointed already), computes its loss in chunks if ``chunked_loss``, and
+        wraps ``optimizer`` in a ``FusedAccumOptimizer`` of ``accum_steps`` (``kwargs`` go to it).
+        Returns both."""
+        if self.chunked_loss and not install_head(model):
+            raise ValueError("this plan computes the loss in chunks (chunked_loss), which needs a Hugging Face "
+                             "causal LM with its stock loss")
+        blocks_mod.install(model, offload=self.offload)
+        blocks = find_blocks(model)
+        if len(blocks) != len(self.budgets):
+            raise ValueError(f"model has {len(blocks)} blocks, the fit was made for {len(self.budgets)}")
+        set_plans(model, blocks, self.chunked_loss, self.budgets)
+        if not isinstance(optimizer, FusedAccumOptimizer):
+            optimizer = FusedAccumOptimizer(optimizer, self.accum_steps, **kwargs)
+        return model, optimizer
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def table(self) -> str:
+        """The plan and its breakdown, as a readable table."""
+        lines = [f"micro-batch {self.micro_batch} x {self.accum_steps} accumulation steps, sequence {self.seq}"
+                 + (", loss in chunks (no logits held for backward)" if self.chunked_loss else "")
+                 + ("" if self.fits else "  (DOES NOT FIT)"),
+                 *([f"{n} of {len(self.budgets)} blocks run as their parts (attention, MLP, norms: each "
+                    "its own checkpoint)" + (", MLPs a quarter of the tokens at a time" if TILES in self.budgets else "")]
+                   if (n := sum(b in (PARTS, TILES) for b in self.budgets)) else []),
+                 f"blocks keep {format_bytes(self.kept)} beyond their inputs; recompute "
+                 f"{self.recompute_flops / 1e12:.2f} TFLOP per micro-batch; step time "
+                 f"{self.time:.2f}x of no checkpointing (planner's cost model)",
+                 f"{'part':<44} {'bytes':>12}"]
+        for name, value in self.parts.items():
+            lines.append(f"{name:<44} {format_bytes(value):>12}")
+        lines.append(f"{'predicted peak (at ' + str(self.phase) + ')':<44} {format_bytes(self.peak):>12}")
+        lines.append(f"{'allocator slack (reserved, not measured)':<44} {format_bytes(self.slack):>12}")
+        for name, value in self.host.items():
+            lines.append(f"{'host: ' + name:<44} {format_bytes(value):>12}")
+        if self.memory is not None:
+            lines.append(f"{'target':<44} {format_bytes(self.memory):>12}")
+        for s in self.suggestions:
+            lines.append(f"advice: {s}")
+        for o in self.options:
+            lines.append(f"option: {o.summary()}")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line: micro-batch, offload, predicted device peak, host bytes and step time."""
+        host = sum(self.host.values())
+        how = (", offload=True" if self.offload else "") + (", loss in chunks" if self.chunked_loss else "")
+        return (f"micro-batch {self.micro_batch} x {self.accum_steps}{how}: "
+                f"device peak {format_bytes(self.peak)}, host {format_bytes(host)}, step time {self.time:.2f}x")
+
+
+class Planner:
+    """A model ready to plan for: the module (or the fake one built from a config), the layout
+    of its blocks on a shallower profiled copy, its fixed parts, and a profile per input shape
+    (made once, reused by every budget asked of it). :func:`estimate` and :func:`fit` build
+    one; keep one to ask many questions of the same model.
+
+    Args: as :func:`fit`'s.
+    """
+
+    def __init__(self, model, optim="adamw", lora=None, load_in_4bit=False, dtype=torch.bfloat16,
+                 master_weights=False, make_batch=None, loss_fn=None):
+        for name, fn in (("make_batch", make_batch), ("loss_fn", loss_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a callable, got {type(fn).__name__}")
+        if isinstance(model, nn.Module) and make_batch is None and \
+                not isinstance(getattr(getattr(model, "config", None), "vocab_size", None), int):
+            raise ValueError(f"{type(model).__name__} is not a Hugging Face causal LM: give make_batch "
+                             "(micro_batch, seq) -> batch, and loss_fn (model, batch) -> loss if model(**batch).loss "
+                             "is not its loss")
+        self.make_batch, self.loss_fn = make_batch, loss_fn
+        if isinstance(model, nn.Module):
+            self.model, self.profiled, self.layout = model, model, None
+        else:
+            config = load_config(model)
+            full = config.num_hidden_layers
+            period = _period(config)
+            depth = min(full, 2 * period)
+            self.model = fake_model(config, dtype, lora=lora)
+            self.profiled = self.model if depth == full else fake_model(config, dtype, layers=depth, lora=lora)
+            self.layout = [i if i < period else period + (i - period) % period for i in range(full)]
+            if load_in_4bit and not lora:
+                raise ValueError("load_in_4bit needs lora: 4-bit weights are frozen, only adapters train")
+        self.blocks = len(find_blocks(self.model))
+        self.static = static_parts(self.model, optim, master_weights, load_in_4bit)
+        self.load_in_4bit, self.lora = load_in_4bit, lora
+        self.profiles = {}
+        # The loss in chunks (gradaccel/memory/target.py's head mode) is an option for a causal LM
+        # with the stock loss, profiled as the model computes it. Its price per token:
+        self.head_flops = head_flops(self.profiled) if loss_fn is None else 0
+
+    def profile(self, seq, micro_batch, chunked_loss=False) -> Profile:
+        """The profile of one micro-step (``chunked_loss``: with the loss computed in chunks)."""
+        key = (seq, micro_batch, chunked_loss)
+        if key not in self.profiles:
+            if chunked_loss and not self.head_flops:
+                raise ValueError("chunked_loss needs a Hugging Face causal LM with its stock loss and no loss_fn")
+            if any(getattr(p, "quant_state", None) is not None for p in self.model.parameters()):
+                raise ValueError("model holds bitsandbytes 4-bit weights, which cannot be copied onto fake tensors: "
+                                 "plan the model before quantising it, with load_in_4bit=True")
+            if self.make_batch is None:
+                vocab = self.profiled.config.vocab_size
+                ids = torch.zeros(micro_batch, seq, dtype=torch.long).random_(0, vocab)
+                batch = {"input_ids": ids, "labels": ids}
+            else:
+                # Only shapes and dtypes matter: the batch is copied onto fake tensors.
+                batch = self.make_batch(micro_batch, seq)
+            step = hf_step if self.loss_fn is None else functools.partial(_checked_loss, self.loss_fn)
+            prepare = functools.partial(_chunk_loss, on=chunked_loss) if self.head_flops else None
+            self.profiles[key] = Profile(self.profiled, step, batch, prepare=prepare)
+        return self.profiles[key]
+
+    def fronts(self, prof, offload=False) -> list:
+        """Per block of the model, its kind's plans (``Profile.options``; ``offload``: with offload)."""
+        layout = self.layout or range(len(prof.blocks))
+        return [prof.options(prof.kind_of[s], offload) for s in layout]
+
+    def predict(self, prof, points, exact=True) -> dict:
+        out = prof.predict(points, exact=exact, layout=self.layout)
+        out["transient"] += self._dequantised(prof)
+        out["peak"] += self._dequantised(prof)
+        return out
+
+    def _dequantised(self, prof) -> int:
+        """The 4-bit matmul's backward dequantises one weight at a time: the largest one."""
+        if not self.load_in_4bit:
+            return 0
+        return max((m.weight.numel() * 2 for b in prof.blocks for m in b.modules() if isinstance(m, nn.Linear)),
+                   default=0)
+
+    def estimate(self, seq: int, micro_batch: int, budget=None, offload=False) -> Fit:
+        """See :func:`estimate`."""
+        prof = self.profile(seq, micro_batch)
+        chosen = {}  # kind id -> its point: a block of the model repeats a profiled one
+        for kind in prof.kinds:
+            b = budget if not isinstance(budget, (list, tuple)) else budget[kind.blocks[0]]
+            if b is None or isinstance(b, float):
+                b = max(1, int((b or 0.0) * kind.graph.activation_bytes))
+            chosen[id(kind)] = kind.offload_at(b) if offload else kind.plan_at(b)
+        points = [chosen[id(prof.kind_of[s])] for s in self.layout or range(len(prof.blocks))]
+        return _evaluate(self, seq, micro_batch, micro_batch, points)
+
+    def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None) -> Fit:
+        """See :func:`fit`."""
+        memory = parse_bytes(memory, "memory")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            raise ValueError(f"seq must be an int >= 1, got {seq!r}")
+        slack = (memory // 20 + (512 << 20) if memory > (4 << 30) else memory // 20) if slack is None else \
+            parse_bytes(slack, "slack")
+        usable = memory - slack
+        setup = self
+        sizes = micro_batches or [d for d in range(1, batch + 1) if batch % d == 0]
+        results = []
+        for mb in sorted(sizes):
+            r = _best_for(setup, seq, mb, batch, usable)
+            if r is None:
+                break  # a larger micro-batch needs more
+            results.append(r)
+        if results:
+            # Least predicted time per optimizer step; within 0.5%, the larger micro-batch.
+            least = min(r.step_cost for r in results)
+            best = max((r for r in results if r.step_cost <= least * 1.005), key=lambda r: r.micro_batch)
+            best.memory, best.slack = memory, slack
+            # Offload: what the budget leaves out goes to host memory where copying beats
+            # recomputing; faster at the same device memory, or not at all (its own micro-batches:
+            # offload never lowers the floor of a plan that keeps nothing).
+            offloaded = [r for r in (_best_for(setup, seq, x.micro_batch, batch, usable, True, x.chunked_loss)
+                                     for x in results) if r is not None and r.offload]
+            if offloaded:
+                off = min(offloaded, key=lambda r: r.step_cost)
+                if off.step_cost < best.step_cost * 0.995:
+                    off.memory, off.slack = memory, slack
+                    best.options.append(off)
+            return best
+        # Nothing fits: the least this step can take, with and without offload, and what would fit.
+        worst, offload = (min((_least(setup, seq, batch, off, chunked) for chunked in {False, bool(setup.head_flops)}),
+                              key=lambda r: r.peak) for off in (False, True))
+        worst.memory, worst.slack, worst.fits = memory, slack, False
+        worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
+        fitting = []
+        for mb in sorted(sizes):  # offload may fit where nothing else does
+            r = _best_for(setup, seq, mb, batch, usable, offload=True)
+            if r is None:
+                break
+            fitting.append(r)
+        if fitting:
+            off = min(fitting, key=lambda r: r.step_cost)
+            off.memory, off.slack = memory, slack
+            worst.options.append(off)
+        return worst
+
+
+def _checked_loss(loss_fn, model, batch):
+    loss = loss_fn(model, batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss_fn must return the loss as a tensor of one value, got "
+                         f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    return loss
+
+
+def _least(setup: Planner, seq, batch, offload, chunked_loss) -> Fit:
+    """The plan whose predicted peak is least, at micro-batch 1."""
+    prof = setup.profile(seq, 1, chunked_loss)
+    points = least_peak(prof, setup.fronts(prof, offload), setup.layout)
+    return _evaluate(setup, seq, 1, batch, points, chunked_loss=chunked_loss)
+
+
+def _chunk_loss(model, on):
+    install_head(model)
+    set_head(model, on)
+
+
+def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunked_loss=False) -> Fit:
+    """``points``: the plan of each block of the model."""
+    prof = setup.profile(seq, micro_batch, chunked_loss)
+    pred = setup.predict(prof, points, exact)
+    st = setup.static
+    step = max(pred["peak"], st.step)
+    head = setup.head_flops * micro_batch * seq if chunked_loss else 0  # each chunk's logits again
+    recompute = sum(p.cost for p in points) + head
+    forward = sum(prof.kind_of[s].forward_cost for s in (setup.layout or range(len(prof.blocks))))
+    fold = FLOPS_PER_BYTE["cpu"] * 10 * st.trainable  # reading a grad and updating the fp32 buffer
+    base = 3 * forward + fold
+    parts = {"weights": st.weights, "window buffer (fp32 grads)": st.buffer, "optimizer state": st.state}
+    if st.masters:
+        parts["fp32 master weights"] = st.masters
+    if pred["peak"] >= st.step:
+        parts["block activations held"] = pred["blocks"]
+        parts["other activations and grads (embeddings, logits, loss)"] = pred["outside"]
+        parts["working set of the peak phase (recompute, grads)"] = pred["transient"]
+        phase = pred["phase"]
+    else:
+        parts["optimizer update working set"] = st.step
+        phase = "optimizer step"
+    host = {"optimizer state, paged (bitsandbytes)": st.paged} if st.paged else {}
+    offloaded = sum(p.host for p in points)
+    if offloaded:
+        host["activations offloaded by the blocks"] = offloaded
+    return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
+               st.total + step, parts, str(phase), (base + recompute) / base,
+               sum(p.flops for p in points) + head,
+               (batch // micro_batch) * (base + recompute), host=host,
+               offload=bool(offloaded), chunked_loss=chunked_loss)
+
+
+def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
+             dtype=torch.bfloat16, master_weights=False, make_batch=None, loss_fn=None, offload=False) -> Fit:
+    """The predicted peak of a training step with a given micro-batch and checkpoint budget.
+
+    Args:
+        model: an ``nn.Module`` (real or fake tensors; not run), a preset name, a config.json
+            path or a transformers config (built on fake tensors, in ``dtype``).
+        seq, micro_batch: the input shape ``(micro_batch, seq)`` of token ids.
+        budget: per block, as ``checkpoint_blocks``'s: an int of bytes, or a fraction (None and
+            0.0 are predicted as gradaccel's keep-nothing plan, a 1-byte budget), or a list of
+            int budgets, one per block.
+        optim, lora, load_in_4bit, master_weights, make_batch, loss_fn: as for :func:`fit`.
+        offload: the blocks' plans with ``gradaccel.checkpoint(..., offload=True)``.
+
+    Returns:
+        Fit: ``peak`` and ``parts`` (accumulation steps 1).
+    """
+    return Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch,
+                   loss_fn).estimate(seq, micro_batch, budget, offload)
+
+
+def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, chunked_loss=None) -> Fit | None:
+    """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes (with
+    ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``). The loss in
+    chunks is tried (``chunked_loss`` None) where the model allows it and the plain loss does
+    not fit or peaks at the loss."""
+    if chunked_loss is None:
+        plain = _best_for(setup, seq, micro_batch, batch, usable, offload, False)
+        if not setup.head_flops or (plain is not None and plain.phase != "head"):
+            return plain
+        chunked = _best_for(setup, seq, micro_batch, batch, usable, offload, True)
+        return min((r for r in (plain, chunked) if r is not None), key=lambda r: r.step_cost, default=None)
+    prof = setup.profile(seq, micro_batch, chunked_loss)
+    room = usable - setup.static.total - setup._dequantised(prof)  # for the step's activations
+    if setup.static.step > room:
+        return None
+    points = least_recompute(prof, setup.fronts(prof, offload), room, layout=setup.layout)
+    if points is None:
+        return None
+    result = _evaluate(setup, seq, micro_batch, batch, points, chunked_loss=chunked_loss)
+    return result if result.peak <= usable else None
+
+
+def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_in_4bit=False,
+        dtype=torch.bfloat16, master_weights=False, slack=None, micro_batches=None, make_batch=None,
+        loss_fn=None) -> Fit:
+    """The fastest way to train ``batch`` sequences of ``seq`` tokens per step in ``memory``.
+
+    Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the
+    per-block plans with the least recompute whose predicted peak fits (gradaccel/memory/split.py),
+    with the causal LM loss as the model computes it or, where that does not fit or the peak is
+    at the loss, computed in chunks without logits held for backward (``chunked_loss``: one
+    more LM-head matmul in backward; Hugging Face causal LMs with the stock loss), and picks
+    the configuration with the least predicted step time (the planner's cost model:
+    forward and backward, recompute, and the per-micro-batch fold into the fp32 buffer).
+
+    Args:
+        model: an ``nn.Module`` (profiled on fake tensors, not run): a Hugging Face causal LM,
+            or any module whose repeated blocks ``checkpoint_blocks`` finds, with
+            ``make_batch``; or a preset name (``gradaccel.memory.fit.PRESETS``), a config.json path
+            or a config.
+        seq: tokens per sequence. batch: sequences per optimizer step (the effective batch).
+        memory: the device's memory for this process: bytes or a string such as "24GiB".
+        optim: "adamw" (torch's fused AdamW), "adamw8bit" or "paged_adamw8bit" (bitsandbytes),
+            "sgd", or an optimizer (its class is stepped once on fake tensors and its state
+            measured; bitsandbytes' too). Paged state (bitsandbytes puts tensors of 100k values
+            or more in unified memory on CUDA) is reported apart, in ``host``: it is not in
+            the device peak, as the driver moves it to host memory when the device is short.
+        lora: LoRA rank on every linear layer of the blocks (models built from a config).
+        load_in_4bit: frozen block weights stored as nf4 (bitsandbytes, double quantisation),
+            sized by bitsandbytes' own quantisation run on fake tensors. A module already
+            quantised has its real storage counted but cannot be profiled: plan it before.
+        dtype: weights' dtype for a model built from a config.
+        master_weights: fp32 master copies of bf16/fp16 parameters (FusedAccumOptimizer).
+        slack: bytes to leave for the allocator (rounding, fragmentation, CUDA context);
+            default 5% of ``memory`` plus 512 MiB, or 0 on a CPU-only machine's own models.
+        micro_batches: micro-batch sizes to try (default: the divisors of ``batch``).
+        make_batch: ``make_batch(micro_batch, seq) -> batch``, one micro-batch as ``loss_fn``
+            takes it (any nesting of tensors; only shapes and dtypes are used). Needed for a
+            module that is not a Hugging Face causal LM; default: token ids and labels.
+        loss_fn: ``loss_fn(model, batch) -> loss``, one micro-step's forward up to the scalar
+            loss; default ``model(**batch, use_cache=False).loss``.
+
+    Returns:
+        Fit: micro-batch, accumulation steps, per-block budgets, predicted peak with its parts
+        and step time; ``fits`` False (with ``suggestions``) when nothing fits. ``options``
+        holds the fastest plan with offload (``gradaccel.checkpoint(..., offload=True)``: the
+        checkpoint's own planner chooses, per block, what goes to host memory where copying
+        beats recomputing) when it is faster within the same memory, with its device peak
+        and, in ``host``, its host bytes. Its device peak is measured as the others are, on
+        fake tensors with a store that keeps host copies off the device.
+    """
+    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn)
+    return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)
+
+
+# -- command line ---------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gradaccel.fit", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help=f"a config.json (or its folder) or a preset: {', '.join(PRESETS)}")
+    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--batch", type=int, required=True, help="sequences per optimizer step")
+    ap.add_argument("--memory", required=True, help="device memory, e.g. 24GiB")
+    ap.add_argument("--lora", type=int, default=None, help="LoRA rank on every linear layer of the blocks")
+    ap.add_argument("--load-in-4bit", action="store_true")
+    ap.add_argument("--optim", choices=OPTIMS, default="adamw")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--master-weights", action="store_true")
+    ap.add_argument("--slack", default=None, help="bytes left to the allocator (default 5%% + 512MiB)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    result = fit(a.model, a.seq, a.batch, a.memory, optim=a.optim, lora=a.lora, load_in_4bit=a.load_in_4bit,
+                 dtype=getattr(torch, a.dtype), master_weights=a.master_weights, slack=a.slack)
+    print(json.dumps(result.to_dict(), indent=1, default=str) if a.json else result.table())
+    return 0 if result.fits else 1
+

@@ -1,0 +1,292 @@
+"""What a fit is made of besides the profile: the model (a preset or config built on fake
+tensors, LoRA adapters as peft makes them) and the fixed parts of a training step (weights,
+window buffer, optimizer state and masters, and the update's working set). See gradaccel/memory/fit.py.
+"""
+
+import copy
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import os
+import warnings
+from unittest import mock
+
+import torch
+import torch.nn as nn
+
+from gradaccel.accumulate.flat import NARROW_HEAD
+from gradaccel.memory.presets import PRESETS
+from gradaccel.memory.profile import fake_mode, find_blocks
+from gradaccel.memory.counter import LiveBytes, format_bytes, optimizer_state_bytes, storage_bytes
+
+OPTIMS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
+_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# -- models ------------------------------------------------------------------------------------
+def hf_step(model, batch):
+    """A causal LM's training forward: ``model(input_ids, labels).loss``, without a KV cache
+    (checkpointed layers drop it in training anyway). Sequences are not packed: under fake
+    tensors transformers cannot read that from the positions, and would build a dense mask."""
+    import transformers.masking_utils as masking
+
+    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
+        return model(**batch, use_cache=False).loss
+
+
+def load_config(spec):
+    """A transformers config from a preset name (``PRESETS``), a config.json path (or its
+    folder), or a config object (returned as is)."""
+    from transformers import AutoConfig
+
+    if not isinstance(spec, (str, os.PathLike)):
+        return spec
+    if str(spec) in PRESETS:
+        fields = dict(PRESETS[str(spec)])
+    else:
+        path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+        if not os.path.isfile(path):
+            raise ValueError(f"model must be a preset ({', '.join(PRESETS)}) or a config.json path, got {spec!r}")
+        with open(path) as f:
+            fields = json.load(f)
+    return AutoConfig.for_model(**fields)
+
+
+def fake_model(config, dtype=torch.bfloat16, layers=None, lora=None):
+    """The causal LM of ``config`` on fake tensors (nothing allocated), ``layers`` blocks deep
+    if given, with LoRA adapters of rank ``lora`` on every linear layer of the blocks."""
+    from transformers import AutoModelForCausalLM
+
+    config = config.__class__.from_dict(config.to_dict())
+    if layers is not None:
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:layers]
+    with fake_mode():
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        except ValueError:  # an architecture without SDPA support (Gemma 2)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+        if lora:
+            model.requires_grad_(False)
+            for block in find_blocks(model):
+                for name, m in list(block.named_modules()):
+                    for child, sub in list(m.named_children()):
+                        if isinstance(sub, nn.Linear) and child in _LORA_TARGETS:
+                            setattr(m, child, LoRALinear(sub, lora))
+            model.enable_input_require_grads()  # as checkpoint_blocks does for a model with adapters
+    return model
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a rank-``r`` adapter, computed as peft's LoRA ``Linear`` does
+    by default (adapters in fp32, the input cast to fp32 for them, no dropout), so that a model
+    built here holds the activations a peft model holds. (peft itself cannot be applied to
+    fake tensors: moving its adapters swaps tensors.)"""
+
+    def __init__(self, base: nn.Linear, r: int):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, dtype=torch.float32)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, dtype=torch.float32)
+        self.scaling = 2.0
+
+    def forward(self, x):
+        result = self.base_layer(x)
+        return (result + self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling).to(result.dtype)
+
+
+def _period(config) -> int:
+    types = getattr(config, "layer_types", None) or []
+    for p in range(1, len(types) + 1):
+        if all(types[i] == types[i % p] for i in range(len(types))):
+            return p
+    return 1
+
+
+# -- the fixed parts of a step -----------------------------------------------------------------
+@dataclasses.dataclass
+class Static:
+    weights: int
+    buffer: int  # FusedAccumOptimizer's fp32 window buffer
+    state: int  # the inner optimizer's state on the device
+    masters: int
+    step: int  # working set of the update at the end of a window
+    trainable: int  # parameters
+    paged: int = 0  # optimizer state in bitsandbytes' paged (unified) memory: host when short
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.buffer + self.state + self.masters
+
+
+# -- weights: real storage, 4-bit included ---------------------------------------------------
+def _quant_state_tensors(qs) -> list:
+    """The tensors of a bitsandbytes ``QuantState`` (and its nested state for the absmax)."""
+    out = [t for t in (qs.absmax, qs.code, qs.offset) if isinstance(t, torch.Tensor)]
+    if getattr(qs, "state2", None) is not None:
+        out += _quant_state_tensors(qs.state2)
+    return out
+
+
+@functools.cache
+def nf4_bytes(shape: tuple, dtype: torch.dtype) -> int:
+    """Bytes a weight of ``shape`` takes as QLoRA stores it: bitsandbytes' own ``quantize_4bit``
+    (nf4, blocks of 64, double quantisation, uint8 storage) run on a fake tensor, counting the
+    packed weight and every tensor of its ``QuantState`` (absmax, code books, offset). Without
+    bitsandbytes, the same layout by formula (4 bits a weight, a uint8 absmax per 64, an fp32
+    absmax per 256 of those, a 16- and a 256-entry fp32 code book and an fp32 offset)."""
+    numel = math.prod(shape)
+    try:
+        import bitsandbytes.functional as F
+    except ImportError:
+        blocks = -(-numel // 64)
+        return -(-numel // 2) + blocks + 4 * -(-blocks // 256) + 4 * (16 + 256 + 1)
+    # The first call builds bnb's 8-bit code book with .tolist(), which fake tensors cannot do:
+    # one real call of 64 values fills its cache.
+    F.quantize_4bit(torch.ones(64, dtype=torch.float32), blocksize=64, compress_statistics=True, quant_type="nf4")
+    with fake_mode():
+        q, qs = F.quantize_4bit(torch.empty(shape, dtype=dtype), blocksize=64, compress_statistics=True,
+                                quant_type="nf4", quant_storage=torch.uint8)
+        return storage_bytes([q] + _quant_state_tensors(qs))
+
+
+def weight_bytes(model, load_in_4bit=False) -> int:
+    """Bytes of ``model``'s parameters and buffers at their storage size: a bitsandbytes
+    ``Params4bit`` as its packed weight plus its ``QuantState``'s tensors (measured, shared ones
+    once); with ``load_in_4bit``, the frozen linear weights of the blocks as :func:`nf4_bytes`."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    tensors = params + list(model.buffers())
+    tensors += [t for p in params if getattr(p, "quant_state", None) is not None
+                for t in _quant_state_tensors(p.quant_state)]
+    weights = storage_bytes(tensors)
+    if load_in_4bit:
+        for block in find_blocks(model):
+            for m in block.modules():
+                w = getattr(m, "weight", None)
+                if isinstance(m, nn.Linear) and not w.requires_grad and getattr(w, "quant_state", None) is None:
+                    weights += nf4_bytes(tuple(w.shape), w.dtype) - w.numel() * w.element_size()
+    return weights
+
+
+def static_parts(model, optim="adamw", master_weights=False, load_in_4bit=False) -> Static:
+    """Weights, window buffer, optimizer state and masters, and the update's working set.
+
+    Args:
+        optim: "adamw" (torch's fused AdamW), "adamw8bit" / "paged_adamw8bit" (bitsandbytes),
+            "sgd" (momentum), or an optimizer on ``model``'s parameters (a
+            ``FusedAccumOptimizer`` or the inner one): its state tensors are counted if it has
+            any, else a step of its class on fake tensors makes them.
+    """
+    params = list({id(p): p for p in model.parameters()}.values())
+    trainable = [p for p in params if p.requires_grad]
+    weights = weight_bytes(model, load_in_4bit)
+    numel = sum(p.numel() for p in trainable)
+    masters = sum(4 * p.numel() for p in trainable if p.dtype != torch.float32) if master_weights else 0
+    # Without masters a bf16 gradient is rounded in place in the buffer, through a temporary of at
+    # most NARROW_HEAD elements that is freed before the inner step runs (gradaccel/accumulate/flat.py).
+    rounding = max((min(p.numel(), NARROW_HEAD) * p.element_size() for p in trainable
+                    if p.dtype != torch.float32 and not master_weights), default=0)
+    state, step, paged = _optimizer_state(trainable, optim, master_weights)
+    if isinstance(optim, torch.optim.Optimizer) and optimizer_state_bytes(optim):
+        state = optimizer_state_bytes(optim) - paged
+    buffer = getattr(optim, "grad_buffer", None)
+    buffer = buffer.nbytes if buffer is not None else 4 * numel
+    return Static(weights, buffer, state, masters, max(step, rounding), numel, paged)
+
+
+def _bnb_class(name):
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ValueError(f"optim={name!r} needs bitsandbytes (pip install bitsandbytes)") from e
+    return bnb.optim.PagedAdamW8bit if name == "paged_adamw8bit" else bnb.optim.AdamW8bit
+
+
+def _is_bnb(cls) -> bool:
+    return any(c.__module__.startswith("bitsandbytes.") and c.__name__ == "Optimizer8bit" for c in cls.__mro__)
+
+
+# bitsandbytes puts a state tensor in paged memory on CUDA from this many values up
+# (Optimizer8bit.get_state_buffer); on CPU it falls back to ordinary tensors.
+_BNB_PAGED_MIN = 10**5
+
+
+def _optimizer_state(trainable, optim, master_weights) -> tuple:
+    """(device state bytes, update working set, paged state bytes): the real optimizer class
+    stepped once on fake tensors of the trainable parameters' shapes, its state measured."""
+    args = None
+    if isinstance(optim, torch.optim.Optimizer):
+        inner = getattr(optim, "optimizer", optim)
+        cls = type(inner)
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in inner.defaults.items() if k in accepted}
+        args = getattr(inner, "args", None)  # bitsandbytes' settings (min_8bit_size, optim_bits)
+    elif optim in ("adamw8bit", "paged_adamw8bit"):
+        cls, defaults = _bnb_class(optim), {}
+    elif optim == "adamw":
+        cls, defaults = torch.optim.AdamW, {"fused": True}
+    elif optim == "sgd":
+        cls, defaults = torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}
+    else:
+        raise ValueError(f"optim must be one of {OPTIMS} or a torch.optim.Optimizer, got {optim!r}")
+    bnb = _is_bnb(cls)
+    mode = fake_mode()
+    with mode:
+        ps = []
+        for p in trainable:
+            dtype = torch.float32 if master_weights else p.dtype
+            q = nn.Parameter(torch.empty(tuple(p.shape), dtype=dtype))
+            q.grad = torch.zeros_like(q)
+            ps.append(q)
+    # bitsandbytes builds its 8-bit code books with .tolist() in __init__: made outside the
+    # fake mode (2 KiB, real), shared by every parameter's state as in a real run.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+        opt = cls(ps, **defaults) if bnb else None
+        if args is not None and bnb:
+            opt.args = copy.copy(args)
+        with mode:
+            opt = opt or cls(ps, **defaults)
+            live = LiveBytes()
+            with live:
+                opt.step()
+            state = optimizer_state_bytes(opt)
+    paged = 0
+    if bnb and getattr(opt, "is_paged", False):
+        paged = storage_bytes(s[k] for p, s in opt.state.items() if p.numel() >= _BNB_PAGED_MIN
+                              for k in ("state1", "state2") if k in s)
+    return state - paged, max(0, live.peak - state), paged
+
+
+# -- advice when nothing fits ------------------------------------------------------------------
+def _suggest(setup, worst, usable, lora, load_in_4bit, offload=None) -> list:
+    """What would fit, from the parts of the smallest configuration (micro-batch 1, nothing kept);
+    ``offload``: the plan of micro-batch 1 that offloads most (its figures are reported)."""
+    st, out = setup.static, []
+    act = worst.peak - st.total
+    need = worst.peak - usable
+    frozen_weights = st.weights
+    if not load_in_4bit:
+        w4 = int(frozen_weights * 0.28)  # bf16 -> nf4 with double quantisation, about
+        out.append(("4-bit weights (--load-in-4bit) with LoRA", w4 + act < usable))
+    if not lora:
+        out.append(("LoRA (--lora 16): optimizer state and buffer for adapters only",
+                    st.weights + act + st.step // 100 < usable))
+    out.append(("a sequence half as long (activations about halve)", st.total + act // 2 < usable))
+    for n in (2, 4, 8, 16, 32):
+        if st.total // n + act < usable:
+            out.append((f"FSDP2 over {n} GPUs (weights, buffer and state sharded)", True))
+            break
+    lines = [name for name, ok in out if ok] or [f"nothing listed: short by {format_bytes(need)}"]
+    if offload is not None:
+        # Offload moves what blocks would keep or replay to host; their backward brings it back,
+        # so it lowers the floor only by what the recompute's working set exceeds it.
+        host = sum(offload.host.values())
+        what = (f"offload (checkpoint(..., offload=True)): device peak {format_bytes(offload.peak)} at micro-batch 1 "
+                f"(keeping nothing: {format_bytes(worst.peak)}), {format_bytes(host)} on host")
+        lines.append(what + (" (see options)" if offload.peak <= usable else
+                             f" (short by {format_bytes(offload.peak - usable)})"))
+    return lines

@@ -1,0 +1,575 @@
+"""Profiles one training micro-step of a model on fake tensors, block by block.
+
+The model is copied onto ``FakeTensorMode`` (no memory, no arithmetic: a full-size model at
+full sequence length costs only the Python of its ops) and run twice:
+
+1. a *trace pass*: the first block of each kind (blocks with the same class, parameter shapes
+   and plain settings) runs under gradaccel's own tracer, the very trace
+   ``gradaccel.checkpoint`` takes on its first call, so that the planner can be asked what a
+   block keeps and recomputes at any budget;
+2. a *skeleton pass*: forward and backward with every block at the keep-nothing plan, under
+   :class:`~gradaccel.memory.LiveBytes`, which records the live bytes at the start and peak of
+   each phase (each block's forward, the head and loss, each block's backward, the rest).
+
+A block's own memory under plan ``p`` is measured by running it alone, forward then backward,
+with ``p``'s frame (:meth:`Profile.block_peak`). :meth:`Profile.predict` composes the peak of a
+step with any per-block plans from those measurements; see its docstring.
+"""
+
+import copy
+import dataclasses
+import functools
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_flatten, tree_map
+
+from gradaccel.recompute.frames import Frame, OffloadFrame, TraceFrame
+from gradaccel.recompute.plan import capture_rng, copy_device, offload_cost_per_byte
+from gradaccel.recompute.state import STATE
+from gradaccel.recompute.trace import DataReads, Graph
+from gradaccel.recompute.checkpoint import _Region, _plain
+from gradaccel.memory.counter import LiveBytes
+from gradaccel.memory.parts import has_parts, has_tiles, set_parts
+from gradaccel.recompute.blocks import _find_blocks, _find_by_type
+
+KEEP_ALL = "all"  # the plan of a block run without checkpointing
+# Plans that are not a checkpoint of the block (gradaccel/memory/target.py): the block runs
+# uncheckpointed and each of its children as a keep-nothing checkpoint (PARTS); and its
+# token-wise children (MLPs) a chunk of tokens at a time (TILES).
+PARTS, TILES = "parts", "tiles"
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_copy(model: nn.Module, mode) -> nn.Module:
+    """``model`` with every parameter and buffer replaced by a fake tensor of the same shape,
+    dtype and ``requires_grad`` (shared weights stay shared); ``model`` itself is untouched."""
+    memo = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo:
+            f = mode.from_tensor(t.detach())
+            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+    return copy.deepcopy(model, memo)
+
+
+def find_blocks(model: nn.Module) -> list:
+    """The blocks ``checkpoint_blocks`` would checkpoint, in forward order (as registered)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        GradientCheckpointingLayer = None
+    found = _find_by_type(model, [GradientCheckpointingLayer]) if GradientCheckpointingLayer is not None else []
+    return found or _find_blocks(model)
+
+
+def block_kind(block: nn.Module) -> tuple:
+    """Blocks with equal kinds trace alike: class, parameter shapes, dtypes and trainability,
+    and plain settings (``attention_type``, ``eps``), except layer indices."""
+    parts = []
+    for name, m in block.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
+                             if _plain(v) and not k.endswith(("idx", "index"))))
+        params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in m._parameters.items() if p is not None)
+        parts.append((name, type(m).__qualname__, attrs, params))
+    return tuple(parts)
+
+
+@dataclasses.dataclass
+class Point:
+    """One plan of a block kind: the budget that gives it and what it keeps and costs."""
+
+    budget: int
+    kept: int
+    cost: float
+    flops: int
+    replay_bytes: int  # what replay holds at once: every storage the replayed ops create
+    plan: object
+    host: int = 0  # bytes sent to host memory (checkpoint(..., offload=True)); not in ``kept``
+
+    @property
+    def key(self):
+        return ("offload", self.budget) if self.host else self.budget
+
+
+@dataclasses.dataclass
+class Kind:
+    key: tuple
+    blocks: list  # indices into Profile.blocks
+    graph: Graph = None
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    zero: Point = None
+    forward_cost: float = 0.0  # the planner's cost of one forward of the block
+    input_grads: tuple = ()  # which tensor inputs require grad, in the traced call
+    _peaks: dict = dataclasses.field(default_factory=dict)
+    _options: list = None  # the parts plans (Profile.options)
+
+    @functools.cached_property
+    def frontier(self) -> list:
+        """Plans from keeping least to keeping all, each cheaper to recompute than the last."""
+        return _points(self)
+
+    def plan_at(self, budget: int) -> Point:
+        """The plan ``gradaccel.checkpoint`` makes at ``budget`` bytes (its own planning code)."""
+        plan = _Region("profile", self.graph, budget, []).plan
+        replay = sum(self.graph.storages[s].nbytes for i in plan.steps for s, _ in self.graph.ops[i].new_storages)
+        return Point(budget, plan.kept_bytes, plan.cost, plan.recompute_flops, replay, plan)
+
+    def offload_at(self, budget: int) -> Point:
+        """The plan ``gradaccel.checkpoint(..., offload=True)`` makes at ``budget`` bytes: what the
+        budget leaves out goes to host memory where the copy costs less than its recompute (the
+        checkpoint's own planner, at this machine's measured copy cost). ``cost`` includes the
+        copies; ``kept`` is what stays on the device."""
+        plan = _Region("profile", self.graph, budget, [], store=_FAKE_STORE).plan
+        if not plan.offloaded:
+            return self.plan_at(budget)
+        steps = set(plan.steps)
+        replay = sum(self.graph.storages[s].nbytes for i in steps for s, _ in self.graph.ops[i].new_storages)
+        copy = offload_cost_per_byte(copy_device(self.graph), self.graph.cost) * plan.offloaded_bytes
+        return Point(budget, plan.kept_bytes, plan.cost + copy, plan.recompute_flops, replay, plan,
+                     host=plan.offloaded_bytes)
+
+    @functools.cached_property
+    def offload_frontier(self) -> list:
+        """As :attr:`frontier`, with offload."""
+        return _points(self, at=self.offload_at)
+
+
+def _points(kind: Kind, steps: int = 24, at=None) -> list:
+    total = kind.graph.activation_bytes
+    seen, out = set(), []
+    for j in range(steps + 1):
+        p = (at or kind.plan_at)(max(1, total * j // steps))
+        if p.kept not in seen:
+            seen.add(p.kept)
+            out.append(p)
+    out.sort(key=lambda p: p.kept)
+    front = []  # drop points that keep more and cost no less
+    for p in out:
+        if not front or p.cost < front[-1].cost:
+            front.append(p)
+    return front
+
+
+class Profile:
+    """Everything :meth:`predict` needs about one micro-step of ``model`` at one input shape.
+
+    Args:
+        model: the model (real or fake tensors; it is copied onto fake tensors, not run).
+        step: ``step(model, batch) -> loss``; the micro-step's forward up to the loss.
+        batch: the micro-batch (real or fake tensors), passed to ``step``.
+        grad_hooks: free each parameter's ``.grad`` as soon as it is accumulated, as
+            ``FusedAccumOptimizer``'s fold does (True), or leave grads to pile up (False).
+        prepare: called with the fake model before it runs (to switch a mode on, say).
+    """
+
+    def __init__(self, model: nn.Module, step, batch, grad_hooks: bool = True, skeleton: bool = True,
+                 prepare=None):
+        first = next(iter(model.parameters()), None)
+        if first is not None and hasattr(first, "fake_mode"):  # already fake: ours, used as is
+            self.mode, self.model = first.fake_mode, model
+        else:
+            self.mode = fake_mode()
+            self.model = fake_copy(model, self.mode)
+        self.model.train()
+        if prepare is not None:
+            prepare(self.model)
+        with self.mode:
+            self.batch = tree_map(lambda t: self.mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
+        self.step = step
+        self.blocks = find_blocks(self.model)
+        if not self.blocks:
+            raise ValueError(f"no repeated blocks found in {type(model).__name__}")
+        for b in self.blocks:
+            if getattr(b, "gradient_checkpointing", False):
+                b.gradient_checkpointing = False  # the profile runs blocks itself
+        kinds: dict = {}
+        for i, b in enumerate(self.blocks):
+            kinds.setdefault(block_kind(b), Kind(block_kind(b), [])).blocks.append(i)
+        self.kinds = list(kinds.values())
+        self.kind_of = {i: k for k in self.kinds for i in k.blocks}
+        self.grad_hooks = grad_hooks
+        self._terms = {}
+        self._trace_pass()
+        if skeleton:
+            self._skeleton_pass()
+
+    # -- running blocks our way ------------------------------------------------------------
+    def _install(self, runner):
+        originals = []
+        for i, b in enumerate(self.blocks):
+            originals.append(b.__dict__.get("forward"))
+            b.forward = functools.partial(runner, i, _plain_forward(b))
+        return originals
+
+    def _uninstall(self, originals):
+        for b, f in zip(self.blocks, originals):
+            if f is None:
+                del b.forward
+            else:
+                b.forward = f
+
+    def _trace_block(self, i, forward, *args, **kwargs):
+        flat, _ = tree_flatten((args, kwargs))
+        grads = tuple(t.requires_grad for t in flat if isinstance(t, torch.Tensor))
+        kind = self.kind_of[i]
+        if kind.graph is not None and kind.input_grads != grads:
+            # Same block, other inputs (the first block behind frozen embeddings): its own kind.
+            kind.blocks.remove(i)
+            kind = next((k for k in self.kinds if k.key == (kind.key, grads)), None)
+            if kind is None:
+                kind = Kind((self.kind_of[i].key, grads), [])
+                self.kinds.append(kind)
+            kind.blocks.append(i)
+            self.kind_of[i] = kind
+        if kind.graph is not None:
+            return _run_plan(forward, kind.zero.plan, args, kwargs)
+        kind.input_grads = grads
+        graph = Graph(flat, True)
+        devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
+        frame = TraceFrame(graph, flat, capture_rng(devices))
+        with saved_tensors_hooks(frame.pack, frame.unpack), DataReads(graph), frame.recorder:
+            out = forward(*args, **kwargs)
+        frame.finish(out)
+        graph.take_externals()
+        kind.graph, kind.args, kind.kwargs = graph, args, kwargs
+        kind.forward_cost = sum(op.cost for op in graph.ops)
+        kind.zero = kind.plan_at(1)
+        if i == self._last_new:
+            raise _Traced  # every kind is traced: the rest of the forward is not needed
+        return out
+
+    def _trace_pass(self):
+        # The last block whose kind is not decided by an earlier one (inputs needing grad can
+        # still split the first block off, so at least the second block is traced).
+        self._last_new = max(max(k.blocks[0] for k in self.kinds), min(1, len(self.blocks) - 1))
+        originals = self._install(self._trace_block)
+        try:
+            with self.mode, torch.enable_grad():
+                self.step(self.model, self.batch)
+        except _Traced:
+            pass
+        finally:
+            self._uninstall(originals)
+        for k in self.kinds:
+            if k.graph is None:
+                raise ValueError("a block was never called by the step")
+            if k.graph.dynamic:
+                raise ValueError("a block reads tensor data into Python (.item(), data-dependent shapes): "
+                                 "its plan cannot be profiled; use a fixed budget fraction for it")
+        # Inputs of each kind, detached: a standalone run must not backpropagate into the trace pass.
+        for k in self.kinds:
+            k.args, k.kwargs = tree_map(_fresh_leaf, (k.args, k.kwargs))
+
+    def _skeleton_block(self, i, forward, *args, **kwargs):
+        live = self.live
+        live.set_phase(("fwd", i))
+        self.pre[i] = live.live
+        out = _run_plan(forward, self.plans[i], args, kwargs)
+        self.held[i] = live.live
+        first = tree_flatten(out)[0][0]
+        if first.requires_grad:
+            first.register_hook(functools.partial(_mark, live, ("bwd", i)))
+        if i == 0:
+            x = tree_flatten((args, kwargs))[0][0]
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(functools.partial(_mark, live, "tail"))
+        if i == len(self.blocks) - 1:
+            live.set_phase("head")
+        return out
+
+    def _skeleton_pass(self):
+        n = len(self.blocks)
+        self.plans = [self.kind_of[i].zero.plan for i in range(n)]
+        self.pre, self.held = [0] * n, [0] * n
+        self.live = LiveBytes()
+        originals = self._install(self._skeleton_block)
+        handles = self._grad_hooks()
+        try:
+            with self.mode, torch.enable_grad(), self.live:
+                self.live.set_phase("pre")
+                loss = self.step(self.model, self.batch)
+                self.end_forward = self.live.live  # blocks' and outside activations, logits and loss
+                loss.backward()
+                del loss
+        finally:
+            self._uninstall(originals)
+            for h in handles:
+                h.remove()
+        self.phases = dict(self.live.phases)
+
+    def _grad_hooks(self):
+        if not self.grad_hooks:
+            return []
+        seen, handles = set(), []
+        for p in self.model.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                handles.append(p.register_post_accumulate_grad_hook(_drop_grad))
+        return handles
+
+    # -- one block alone ---------------------------------------------------------------------
+    def block_peak(self, kind: Kind, point) -> int:
+        """Peak live bytes of one block of ``kind`` run alone, forward then backward, under
+        ``point``'s plan (or KEEP_ALL), counted from before its forward (its inputs excluded)."""
+        key = KEEP_ALL if point == KEEP_ALL else point.key
+        if key not in kind._peaks:
+            block = self.blocks[kind.blocks[0]]
+            forward = _plain_forward(block)
+            plan = KEEP_ALL if point == KEEP_ALL else point.plan
+            live, handles = LiveBytes(), self._grad_hooks()
+            previous, STATE.previous_offload = STATE.previous_offload, None  # run alone: no neighbour
+            # Gradients are made afresh, as in a step: none left from the last run to add into.
+            leaves = list(block.parameters()) + [t for t in tree_flatten((kind.args, kind.kwargs))[0]
+                                                 if isinstance(t, torch.Tensor)]
+            for t in leaves:
+                t.grad = None
+            try:
+                with self.mode, torch.enable_grad(), live:
+                    out = _run_plan(forward, plan, kind.args, kind.kwargs)
+                    forward_peak, held = live.peak, live.live
+                    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+                    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+                    del out, outs
+            finally:
+                STATE.previous_offload = previous
+                for h in handles:
+                    h.remove()
+                for t in leaves:
+                    t.grad = None
+            kind._peaks[key] = (forward_peak, live.peak, held)
+        return kind._peaks[key][1]
+
+    def block_forward_peak(self, kind: Kind, point) -> int:
+        """As :meth:`block_peak`, the peak during the forward alone."""
+        self.block_peak(kind, point)
+        return kind._peaks[KEEP_ALL if point == KEEP_ALL else point.key][0]
+
+    def block_peak_estimate(self, kind: Kind, point: Point) -> int:
+        """:meth:`block_peak` without running the block: the larger of replay's moment (what is
+        kept plus what replay makes, offset as measured at the keep-nothing plan) and the
+        backward with every activation present (measured with nothing dropped). Parts plans
+        are run (once per kind)."""
+        if point.plan in (PARTS, TILES):
+            return self.block_peak(kind, point)
+        zero = kind.zero
+        at_zero = self.block_peak(kind, zero)
+        full = self.block_peak(kind, KEEP_ALL)
+        offset = at_zero - zero.kept - zero.replay_bytes if at_zero > full else 0
+        # Offloaded tensors come back to the device for the backward, as replayed ones do.
+        return max(point.kept + point.replay_bytes + point.host + offset, full)
+
+    def options(self, kind: Kind, offload: bool = False) -> list:
+        """The plans a block of ``kind`` may run: its frontier (``offload``: with offload), and
+        where the block has parts, the parts plans. Those recompute what keep-least does and
+        keep more (their parts' inputs), but rebuild one part at a time, so backward's working
+        set is smaller: a filter on kept bytes would drop them, the split on the peak's terms
+        (gradaccel/memory/split.py) weighs them."""
+        if kind._options is None:
+
+            block, zero = self.blocks[kind.blocks[0]], kind.zero
+            self.block_peak(kind, zero)
+            kind._options = []
+            for plan, ok in ((PARTS, has_parts(block)), (TILES, has_tiles(block))):
+                if ok:
+                    point = Point(plan, zero.kept, zero.cost, zero.flops, 0, plan)
+                    self.block_peak(kind, point)
+                    point.kept += kind._peaks[plan][2] - kind._peaks[zero.key][2]  # held after forward
+                    kind._options.append(point)
+        return (kind.offload_frontier if offload else kind.frontier) + kind._options
+
+    # -- composing a step --------------------------------------------------------------------
+    def step_terms(self, layout: list | None = None) -> dict:
+        """The step's peak as terms that do not depend on the plans, for :meth:`predict` and
+        :func:`gradaccel.memory.split.least_recompute`.
+
+        With block ``i`` under plan ``p_i`` and ``D_i`` the bytes the blocks before ``i`` keep
+        beyond their keep-nothing plans, the peak is the largest of ``fixed``, ``D_i +``
+        :meth:`need` of each block, and ``D_n + head``. Each entry is ``(bytes, phase, bytes the
+        blocks hold, bytes live at the phase's start)`` at keep-nothing plans.
+        """
+        layout = list(range(len(self.blocks))) if layout is None else list(layout)
+        key = tuple(layout)
+        if key in self._terms:
+            return self._terms[key]
+        ph, pre, held = self.phases, self.pre, self.held
+        fixed = [(ph["pre"][1], "pre", 0, ph["pre"][0])]
+        if "tail" in ph:
+            fixed.append((ph["tail"][1], "tail", 0, ph["tail"][0]))
+        H, blocks, fwd, bwd = pre[0], 0, [], []
+        for i, s in enumerate(layout):
+            H += pre[s] - (held[s - 1] if s > 0 else pre[0])
+            fwd.append((H + ph[("fwd", s)][1] - pre[s], ("fwd", i), blocks, H))
+            H += held[s] - pre[s]
+            blocks += held[s] - pre[s]
+            start, peak = ph[("bwd", s)]
+            bwd.append((H + peak - held[s], ("bwd", i), blocks, H + start - held[s]))
+        last = len(self.blocks) - 1
+        head = (H + ph["head"][1] - held[last], "head", blocks, H + ph["head"][0] - held[last])
+        self._terms[key] = {"layout": layout, "fixed": max(fixed, key=_first), "fwd": fwd, "bwd": bwd, "head": head}
+        return self._terms[key]
+
+    def need(self, terms: dict, i: int, point, exact: bool = True) -> tuple:
+        """Block ``i``'s two peaks under ``point`` (its forward, its backward), in bytes above
+        what the blocks before it keep beyond keep-nothing: a plan that keeps ``K`` bytes more
+        than keep-nothing changes its forward and backward by the difference of its standalone
+        peaks (:meth:`block_peak`; when ``exact`` is False, without running blocks:
+        :meth:`block_peak_estimate`, and ``K`` for the forward, which is never less), and adds
+        ``K`` to everything after its forward until its backward (its own backward included)."""
+        kind = self.kind_of[terms["layout"][i]]
+        dk = point.kept - kind.zero.kept
+        if exact:
+            grow = self.block_forward_peak(kind, point) - self.block_forward_peak(kind, kind.zero)
+        else:
+            grow = dk
+        peak_of = self.block_peak if exact else self.block_peak_estimate
+        # Offload: the block's own fetched tensors are in its standalone run (a store that keeps
+        # host copies off the device). The prefetch of the next block's tensors that
+        # OffloadFrame.unpack starts is not added: measured on CPU, the step's peak matched
+        # without it (tests/memory/test_fit.py); not yet checked against a GPU.
+        mine = (peak_of(kind, point) - point.kept) - (peak_of(kind, kind.zero) - kind.zero.kept)
+        return terms["fwd"][i][0] + grow, terms["bwd"][i][0] + dk + mine
+
+    def predict(self, points: list, exact: bool = True, layout: list | None = None) -> dict:
+        """Peak live bytes of the micro-step (above what existed before it: weights, buffer,
+        optimizer state) with block ``i`` under ``points[i]``, and what makes it up.
+
+        From the skeleton (every block at the keep-nothing plan) each phase's start and peak;
+        each block's plan changes them as :meth:`need` says. ``layout[i]`` is the profiled
+        block that block ``i`` repeats, for a model profiled with fewer blocks than it has (the
+        default: block ``i`` is profiled block ``i``).
+
+        Returns:
+            dict: ``peak`` and where it is (``phase``); what is live when that phase starts:
+            ``blocks`` (bytes the blocks hold), ``outside`` (other activations and gradients);
+            ``transient`` (the rest: the phase's own working set).
+        """
+        terms = self.step_terms(layout)
+        best, D = terms["fixed"], 0  # D: bytes the blocks so far keep beyond keep-nothing
+        for i, p in enumerate(points):
+            dk = p.kept - self.kind_of[terms["layout"][i]].zero.kept
+            fwd, bwd = self.need(terms, i, p, exact)
+            # In its backward, a block's own extra kept bytes are live at the phase's start.
+            for value, (_, phase, blocks, start), held in ((fwd, terms["fwd"][i], D), (bwd, terms["bwd"][i], D + dk)):
+                best = max(best, (value + D, phase, blocks + held, start + held), key=_first)
+            D += dk
+        value, phase, blocks, start = terms["head"]
+        best = max(best, (value + D, phase, blocks + D, start + D), key=_first)
+        value, phase, blocks, start = best
+        return {"peak": value, "phase": phase, "blocks": blocks, "outside": max(0, start - blocks),
+                "transient": max(0, value - max(start, blocks))}
+
+    def recompute(self, points: list) -> tuple:
+        """(recompute cost, forward cost of the blocks) of one micro-step under ``points``, in the
+        planner's units (FLOPs plus bytes moved at the machine balance)."""
+        rc = sum(p.cost for p in points)
+        fc = sum(self.kind_of[i].forward_cost for i in range(len(points)))
+        return rc, fc
+
+
+class _Traced(Exception):
+    pass
+
+
+def _first(x):
+    return x[0]
+
+
+def _plain_forward(block):
+    """The block's forward, without checkpoint_blocks' wrapper (the profile runs plans itself)."""
+    cls = type(block)
+    if getattr(cls, "_gradaccel_subclass", None) is cls:
+        cls = cls.__mro__[1]
+    return cls.forward.__get__(block)
+
+
+def _fresh_leaf(t):
+    if isinstance(t, torch.Tensor):
+        return t.detach().requires_grad_(t.requires_grad)
+    return t
+
+
+def _mark(live, label, grad):
+    live.set_phase(label)
+
+
+def _drop_grad(p):
+    p.grad = None
+
+
+class _SharedFrame(Frame):
+    """A frame for a plan traced on another block of the same kind. The k-th saved tensor is
+    kept or dropped as the plan says; only the autograd node that made it may differ (the first
+    block's input comes from the embedding, the others' from a residual add)."""
+
+    def _as_traced(self, t: torch.Tensor, pack) -> bool:
+        return t.dtype == pack.dtype and tuple(t.shape) == pack.size
+
+    def _diverge(self, t: torch.Tensor):
+        raise RuntimeError("gradaccel.fit: blocks of one kind saved different tensors; profile them apart")
+
+
+class _SharedOffloadFrame(_SharedFrame, OffloadFrame):
+    pass
+
+
+class _FakeStore:
+    """An ActivationStore for fake tensors, with the real one's device memory: an offloaded
+    storage leaves the device (its host copy is not device memory), and ``prefetch``/``fetch``
+    bring it back as a new device tensor, held until fetched and released."""
+
+    def __init__(self):
+        self.entries, self.staged = {}, {}
+
+    def offload(self, whole):
+        handle = len(self.entries)
+        self.entries[handle] = (whole.numel(), whole.device)
+        return handle
+
+    def prefetch(self, handle):
+        if handle not in self.staged and handle in self.entries:
+            n, device = self.entries[handle]
+            self.staged[handle] = torch.empty(n, dtype=torch.uint8, device=device)
+
+    def fetch(self, handle):
+        self.prefetch(handle)
+        return self.staged.pop(handle)
+
+    def release(self, handle):
+        self.entries.pop(handle, None)
+        self.staged.pop(handle, None)
+
+
+_FAKE_STORE = _FakeStore()  # only its presence matters to the planner: it asks for the copy cost
+
+
+def _run_plan(forward, plan, args, kwargs):
+    if plan == KEEP_ALL:
+        return forward(*args, **kwargs)
+    if plan in (PARTS, TILES):
+
+        block = forward.__self__
+        set_parts(block, True, plan == TILES)  # the children's checkpoints rerun their plain forwards
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            set_parts(block, False)
+    flat, _ = tree_flatten((args, kwargs))
+    rng = capture_rng(plan.graph.devices) if plan.needs_rng else None
+    if plan.offloaded:
+        frame = _SharedOffloadFrame(plan, flat, rng, _FakeStore())
+        with saved_tensors_hooks(frame.pack, frame.unpack):
+            out = forward(*args, **kwargs)
+        frame.finish(out)
+        return out
+    frame = _SharedFrame(plan, flat, rng)
+    with saved_tensors_hooks(frame.pack, frame.unpack):
+        out = forward(*args, **kwargs)
+    frame.finish(out)
+    return out

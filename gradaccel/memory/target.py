@@ -1,0 +1,170 @@
+"""``checkpoint_blocks(model, memory=...)``: one memory target for a training step, reached
+below what per-block checkpoints can reach.
+
+``memory`` is the most bytes one training step (forward and backward) may add above what
+exists before it: the activations held for backward, backward's working set, and the
+parameters' gradients, as :class:`gradaccel.memory.LiveBytes` counts them. At the first
+training call for an input shape the model is profiled on fake tensors (gradaccel/memory/profile.py:
+nothing allocated), and each block's plan is chosen so that the step's predicted peak
+(``Profile.predict``) fits with the least recompute, on the peak's own terms
+(gradaccel/memory/split.py: what a block keeps is paid at every later phase, so the last blocks
+keep more, and a block rebuilt with a larger working set makes the blocks before it keep less).
+A block may run:
+
+- a checkpoint plan at some budget (``gradaccel.checkpoint``'s planner), or no checkpoint where
+  its plan would recompute nothing (the same memory, without the checkpoint's own cost);
+- **parts**: uncheckpointed, each of its direct children (attention, MLP, norms) a keep-nothing
+  checkpoint of its own. It recomputes what keep-least does and holds its parts' inputs instead
+  of one, but backward rebuilds one part at a time, not the whole block at once while every
+  gradient made so far is alive: below keep-least's floor, that working set is what counts;
+- **tiles**: parts, with each token-wise part (an MLP of linear layers) a quarter of the tokens
+  at a time, each its own checkpoint: backward rebuilds a quarter of its intermediates at once.
+
+And where the model's loss does not fit or the peak is at the loss, **head**: for a Hugging
+Face causal LM whose loss is the stock ``ForCausalLMLoss``, the loss is computed by
+:class:`ChunkedLinearCrossEntropy` from the final hidden states and the LM head's weight, rows
+at a time: it holds no logits-sized tensor for backward and rebuilds logits a chunk at a time
+in backward (one more LM-head matmul, priced as such). The model's ``logits`` output is still
+made by ``lm_head`` as before (and still differentiable), then freed when the caller drops it.
+
+The choice is made once per input shape; outputs and gradients are those without
+checkpointing (up to the order of floating-point sums). ``gradaccel.fit`` plans with the same
+choices.
+"""
+
+import threading
+import warnings
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
+from gradaccel.memory.parts import install_parts, set_parts
+from gradaccel.memory.profile import PARTS, TILES, Profile, find_blocks
+from gradaccel.memory.split import least_peak, least_recompute
+
+__all__ = ["MemoryTarget", "set_plans"]
+
+_busy = threading.local()
+
+
+# -- the target ---------------------------------------------------------------------------------
+def _loss_of(out):
+    """The scalar a fake step backpropagates: the model's ``loss``, else its output summed (a
+    stand-in for a loss computed outside the model)."""
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(loss, dict) or not torch.is_tensor(loss):
+            loss = tree_flatten(out)[0][0]
+    return loss if loss.dim() == 0 else loss.float().sum()
+
+
+def _step(model, batch):
+    args, kwargs = batch
+    return _loss_of(model(*args, **kwargs))
+
+
+def set_plans(model: nn.Module, blocks: list, chunked_loss: bool, settings: list) -> None:
+    """Sets what each of ``model``'s checkpointed ``blocks`` runs: ``settings[i]`` is block
+    ``i``'s int budget, None (uncheckpointed), or PARTS / TILES (gradaccel/memory/profile.py); and the
+    loss in chunks on or off (the head must be installed to turn it on)."""
+
+    for block, s in zip(blocks, settings):
+        if s in (PARTS, TILES):
+            install_parts(block)
+        set_parts(block, s in (PARTS, TILES), s == TILES)
+        if s is None:  # a plan that recomputes nothing: no checkpoint, and none of its cost
+            block._gradaccel_fine = True
+        elif s not in (PARTS, TILES):
+            block._gradaccel_budget = s
+    set_head(model, chunked_loss)
+
+
+class MemoryTarget:
+    """``checkpoint_blocks(memory=...)``'s forward pre-hook: picks, per input shape, the plan
+    with the least recompute whose step peak fits ``memory`` (see the module docstring).
+
+    Attributes:
+        memory: the target in bytes.
+        chosen: input signature -> ``(mode, predicted peak, floor)``; mode is ``"blocks"`` when
+            every block runs a checkpoint plan (or none) and the loss is the model's, else a
+            tuple of what the plan also uses: ``"parts"`` (blocks run as their parts),
+            ``"tiles"`` (MLPs a chunk of tokens at a time), ``"head"`` (the loss in chunks);
+            ``floor`` is the predicted peak with every block at its keep-least plan and the
+            model's loss, the least per-block checkpoints reach.
+    """
+
+    def __init__(self, memory: int, blocks: list, model: nn.Module):
+        self.memory = memory
+        self.seen = {}
+        self.chosen = {}
+        for b in blocks:
+            install_parts(b)
+        self.has_head = install_head(model)
+
+    def __call__(self, module, args, kwargs):
+        if getattr(_busy, "on", False) or not (module.training and torch.is_grad_enabled()):
+            return None
+
+        flat = tree_flatten((args, kwargs))[0]
+        key = tuple((tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor))
+        blocks = find_blocks(module)
+        if key not in self.seen:
+            self._set(module, blocks, False, [0] * len(blocks))
+            _busy.on = True
+            try:
+                self.seen[key], self.chosen[key] = self._choose(module, args, kwargs)
+            finally:
+                _busy.on = False
+                torch.clear_autocast_cache()
+        head, settings = self.seen[key]
+        # The loss computed outside the model (no labels): logits as they are.
+        self._set(module, blocks, head and kwargs.get("labels") is not None, settings)
+        return None
+
+    @staticmethod
+    def _set(model, blocks, head, settings):
+        set_plans(model, blocks, head, settings)
+
+    def _choose(self, module, args, kwargs):
+
+        def plan(head):
+            prof = Profile(module, _step, (args, kwargs), grad_hooks=False, prepare=lambda m: set_head(m, head))
+            opts = [prof.options(prof.kind_of[i]) for i in range(len(prof.blocks))]
+            return prof, opts, least_recompute(prof, opts, self.memory)
+
+        tried = {False: plan(False)}
+        plain, opts, points = tried[False]
+        floor = plain.predict([o[0] for o in opts])["peak"]
+        labels = kwargs.get("labels")
+        if self.has_head and torch.is_tensor(labels) and (points is None or plain.predict(points)["phase"] == "head"):
+            tried[True] = plan(True)
+        head_cost = labels.numel() * head_flops(module) if True in tried else 0
+        fitting = [(sum(p.cost for p in pts) + head_cost * h, h) for h, (_, _, pts) in tried.items() if pts is not None]
+        if fitting:
+            head = min(fitting)[1]
+            prof, _, points = tried[head]
+        else:
+            least = {h: least_peak(prof, opts) for h, (prof, opts, _) in tried.items()}
+            head = min(least, key=lambda h: tried[h][0].predict(least[h])["peak"])
+            prof, points = tried[head][0], least[head]
+        peak = prof.predict(points)["peak"]
+        if not fitting:
+            warnings.warn(f"gradaccel.checkpoint_blocks: memory={self.memory} bytes is below the least this step can "
+                          f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors); using that plan. "
+                          "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
+        settings = [_setting(p, prof.kind_of[i], PARTS, TILES) for i, p in enumerate(points)]
+        used = {s for s in settings if s in (PARTS, TILES)}
+        mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", TILES in used), ("head", head)) if on)
+        return (head, settings), (mode or "blocks", peak, floor)
+
+
+def _setting(point, kind, *parts_plans):
+    """What :meth:`MemoryTarget._set` sets a block to for ``point``."""
+    if point.plan in parts_plans:
+        return point.plan
+    if point.cost == 0 and point is kind.frontier[-1]:
+        return None  # recomputes nothing: no checkpoint, and none of its cost
+    return point.budget

@@ -1,0 +1,13 @@
+"""Kernels: the fused gradient-accumulation ops and everything that runs them.
+
+- :func:`scale_accumulate_` (public): ``acc += grad.float() * scale`` in place; ``fold_`` and
+  ``finalize_`` serve ``FusedAccumOptimizer``. Registered as ``torch.ops.gradaccel.<name>``
+  (gradaccel/ops/accumulate.py), with a C++ kernel on CPU and a Triton kernel on CUDA.
+- ``gradaccel/ops/triton/``: the Triton kernels and their launchers.
+- ``gradaccel/ops/csrc/``: the C++/CUDA sources of the extension ``gradaccel._C`` (the CPU
+  kernels, the recompute planner, the activation store), loaded by gradaccel/ops/extension.py.
+"""
+
+from gradaccel.ops.accumulate import finalize_, fold_, scale_accumulate_
+
+__all__ = ["scale_accumulate_", "fold_", "finalize_"]

@@ -1,0 +1,15 @@
+"""Selective recompute: activation checkpointing that keeps what fits a memory budget.
+
+- checkpoint.py: ``checkpoint``, ``checkpoint_sequential`` and the plan report (public through
+  ``gradaccel``); a region is traced once (trace.py), planned by the C++ planner (plan.py,
+  cost.py, roles.py), and run by frames (frames.py) that keep, drop or offload (offload.py) each
+  saved tensor.
+- blocks.py: finds a model's repeated blocks and wraps each in a checkpoint (the mechanism
+  under ``gradaccel.checkpoint_blocks``).
+- storage.py (who is which storage), split_off.py (data-dependent submodules), state.py (the
+  module-level caches that ``reset_plans`` clears).
+"""
+
+from gradaccel.recompute.checkpoint import OpCost, checkpoint, checkpoint_sequential, plan_report, plan_rows, reset_plans
+
+__all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans", "OpCost"]

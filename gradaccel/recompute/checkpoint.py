@@ -1,0 +1,549 @@
+"""``gradaccel.checkpoint``: activation checkpointing that keeps what fits a memory budget.
+
+How it works, per region (a callable) and input signature:
+
+1. The first call runs the real forward as a full recompute (every saved activation that can
+   be rebuilt is dropped, so the budget holds from the first step) while a dispatch mode
+   records its aten ops, the bytes of every storage and what autograd saves
+   (gradaccel/recompute/trace.py). At its end the C++ planner picks what to keep (gradaccel/recompute/plan.py).
+2. Later calls run the forward with no dispatch mode at all: a saved-tensor pack hook keeps,
+   drops or (``offload=True``) sends to host memory the k-th saved tensor as the plan says
+   (gradaccel/recompute/frames.py). That hook is the whole per-call overhead.
+3. Backward unpacks a dropped tensor: the frame replays only the recorded ops that the dropped
+   tensors need, from kept tensors and inputs, and hands each one back.
+
+A region whose trace reads data into Python (``.item()``, data-dependent shapes) cannot be
+replayed from a trace. If that op ran in a submodule, the submodule is split off: it runs as its
+own ``torch.utils.checkpoint`` inside the region, which is traced again and planned. Otherwise
+later calls use ``torch.utils.checkpoint`` (or keep all, if it fits). Either is warned about,
+naming the op. A backward inside the forward (a gradient penalty) replays what it unpacks.
+"""
+
+import collections
+import functools
+import math
+import numbers
+import types
+import warnings
+import weakref
+
+import torch
+import torch.utils.checkpoint as _tc
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_flatten
+
+from gradaccel.recompute.cost import OpCost, check_cost
+from gradaccel.recompute.frames import Frame, OffloadFrame, TraceFrame, store_for
+from gradaccel.recompute.plan import Plan, capture_rng, copy_device, make_plan, offload_cost_per_byte, rng_state_bytes
+from gradaccel.recompute.split_off import active, module_stack, split_off
+from gradaccel.recompute.state import STATE
+from gradaccel.recompute.storage import storage_key
+from gradaccel.recompute.trace import DataReads, Graph, Opaque
+
+__all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans", "OpCost"]
+
+# torch.utils.checkpoint's own options, with their defaults: a call that sets one to anything
+# else runs as torch.utils.checkpoint, which implements it (warned once).
+_TORCH_ONLY_KWARGS = {"context_fn": _tc.noop_context_fn, "determinism_check": "default", "debug": False,
+                      "early_stop": True}
+
+
+def _warn_once(tag: str, message: str) -> None:
+    if tag not in STATE.warned:
+        STATE.warned.add(tag)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _check_budget(budget, warn=True):
+    """``None``/``0.0``; a float in (0, 1]; a non-negative ``int`` of bytes. Else ValueError.
+    ``warn``: where the user wrote the budget (not a share that ``memory=`` chose)."""
+    if budget is None:
+        return 0.0
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budget must be None, a float in [0, 1] or an int number of bytes, got {budget!r}")
+    if isinstance(budget, float) and (math.isnan(budget) or not 0.0 <= budget <= 1.0):
+        raise ValueError(f"budget as a fraction must lie in [0, 1], got {budget!r}")
+    if isinstance(budget, int) and budget < 0:
+        raise ValueError(f"budget in bytes must be >= 0, got {budget!r}")
+    if warn and isinstance(budget, int) and 0 < budget < 1024 and budget not in _WARNED_SMALL:
+        # budget=1 reads like "everything" but an int is bytes: say so once, loudly.
+        _WARNED_SMALL.add(budget)
+        warnings.warn(f"budget={budget!r} is an int, so it means {budget} bytes per region (keep almost "
+                      "nothing), not a fraction; write a float for a fraction (budget=1.0 keeps everything)", UserWarning,
+                      stacklevel=3)
+    return budget
+
+
+_WARNED_SMALL = set()
+
+
+# -- regions: one per (callable, input signature) --------------------------------------------
+class _Region:
+    """A traced region, its plan and counters, for one callable and one input signature."""
+
+    def __init__(self, name: str, graph: Graph, budget, flat_args: list, store=None):
+        self.name = name
+        self.store = store
+        self.graph = graph
+        self.budget = budget
+        self.signature = ", ".join(
+            f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in flat_args if isinstance(t, torch.Tensor))
+        self.calls = 1
+        self.plan: Plan | None = None
+        if not graph.dynamic:
+            self.plan = self._plan()
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget in bytes (what ``budget`` means: see :func:`checkpoint`)."""
+        return self.budget if isinstance(self.budget, int) else int(self.budget * self.graph.activation_bytes)
+
+    def _plan(self) -> Plan:
+        copy_cost = None
+        if self.store is not None:
+            copy_cost = offload_cost_per_byte(copy_device(self.graph), self.graph.cost)
+        # The saved generator state is held by the region too: it counts against the budget
+        # where replay draws random numbers (read only then: a traced device may be fake).
+        random = any(op.random and op.replayable for op in self.graph.ops)
+        plan = make_plan(self.graph, self.budget_bytes, offload_cost_per_byte=copy_cost,
+                         rng_bytes=rng_state_bytes(self.graph) if random else 0)
+        if not plan.fits:
+            _warn_once(("fits", self.name),
+                       f"gradaccel.checkpoint: {self.name} keeps {plan.kept_bytes} bytes, over its budget of "
+                       f"{plan.budget_bytes}: it saves tensors that cannot be recomputed (ops that update "
+                       "state, such as batch norm's running statistics, RNN kernels, or a submodule split off "
+                       "as its own torch.utils.checkpoint and random ops after it). Raise the budget for "
+                       "this region.")
+        return plan
+
+
+def _describe(reason: str) -> str:
+    """The op that made a trace data dependent, with the Python that usually runs it."""
+    hints = {"aten._local_scalar_dense": "Tensor.item(), or a tensor used as a Python number or bool",
+             "aten.nonzero": "nonzero(), torch.where(mask) or boolean-mask indexing",
+             "aten.index.Tensor": "boolean-mask indexing"}
+    hint = next((h for op, h in hints.items() if reason.startswith(op)), None)
+    return f"{reason} ({hint})" if hint else reason
+
+
+MAX_PLANS = 64  # signatures (plans) kept per callable; the least recently used goes first
+
+
+def reset_plans() -> None:
+    """Forgets every trace and plan (and which warnings were given): each region is traced
+    again on its next call. Idle host buffers of ``offload=True`` go back to the system."""
+    STATE.reset()
+
+
+def _owner(fn):
+    """What a plan is cached on: the bound object (a module) and function, or the callable."""
+    bound = getattr(fn, "__self__", None)
+    if bound is not None and not isinstance(bound, types.ModuleType):
+        # A builtin bound method (tensor.exp) has no __func__: its name tells it from its siblings.
+        return bound, getattr(fn, "__func__", None) or fn.__name__
+    return fn, None
+
+
+_PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size})
+_NOT_PLAIN = frozenset({dict, collections.OrderedDict, set, list})  # a module's own fields
+
+
+def _plain(v) -> bool:
+    """A value a trace freezes in as a constant, so plans are keyed by its value: a number
+    (Python's or numpy's), a string, bytes, ``None``, a dtype, a device, a ``torch.Size``, or a
+    tuple of those (``normalized_shape``). Anything else (a module, a config object) is keyed by
+    identity, so that the cache never keeps it alive. By exact type first: this runs on every call."""
+    t = type(v)
+    if t in _PLAIN:
+        return True
+    if t in _NOT_PLAIN:
+        return False
+    if t is tuple:
+        return all(type(e) in _PLAIN for e in v)
+    return isinstance(v, (numbers.Number, str, bytes, torch.dtype, torch.device))
+
+
+def _module_state(m: torch.nn.Module) -> tuple:
+    """What a trace of a module depends on beyond its inputs: each submodule's training flag and
+    plain attributes (``nn.Dropout.p``, ``eps``), and which parameters and buffers it holds (a
+    replaced one must not be read from the old trace) and which parameters are frozen.
+    Objects it reaches otherwise (a config object, a ``functools.partial``) are not covered."""
+    state, stack, seen = [], [m], {id(m)}
+    while stack:  # m.modules() and m.parameters() without their generators: a third of the time
+        sub = stack.pop()
+        state.extend(v for v in sub.__dict__.values() if _plain(v))  # .training among them
+        state.extend((id(p), p.requires_grad) for p in sub._parameters.values() if p is not None)
+        state.extend(id(b) for b in sub._buffers.values() if b is not None)
+        for child in sub._modules.values():
+            if child is not None and id(child) not in seen:  # shared submodules, cycles
+                seen.add(id(child))
+                stack.append(child)
+    return tuple(state)
+
+
+def _closure_state(fn: types.FunctionType) -> tuple:
+    """For a plain function: the tensors, modules and plain values it closes over or names as
+    globals, so that a rebound tensor, a frozen layer or a changed constant is another trace."""
+    values = []
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            pass
+    names = fn.__globals__
+    values.extend(names[n] for n in fn.__code__.co_names if n in names)
+    state = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            state.append((id(v), v.requires_grad))
+        elif isinstance(v, torch.nn.Module):
+            state.append((id(v), _module_state(v)))
+        elif _plain(v):
+            state.append(v)
+    return tuple(state)
+
+
+def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
+    # type(budget): 1 (one byte) and 1.0 (everything) are equal, and hash alike, in Python.
+    parts = [func, spec, type(budget), budget, preserve]
+    if isinstance(owner, torch.nn.Module):
+        parts.append(_module_state(owner))
+    elif isinstance(owner, types.FunctionType):
+        parts.append(_closure_state(owner))
+    storages: dict = {}
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            # Replay reads an argument's storage with the traced strides and offset, and two
+            # arguments that shared a storage in the trace are one storage there.
+            alias = storages.setdefault(storage_key(x), len(storages))
+            parts.append((x.shape, x.stride(), x.storage_offset(), alias, x.dtype, x.device, x.requires_grad))
+        elif _plain(x):
+            parts.append((type(x), x))
+        elif isinstance(x, torch.nn.Module):
+            parts.append((type(x), id(x), _module_state(x)))
+        else:
+            parts.append((type(x), id(x)))
+    for kind in ("cpu", "cuda"):
+        parts.append((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)))
+    return tuple(parts)
+
+
+# -- the public API ----------------------------------------------------------------------------
+@torch._disable_dynamo
+def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentrant=None, offload=False,
+               host_budget=None, cost="flops", **kwargs):
+    """Drop-in for ``torch.utils.checkpoint.checkpoint`` that keeps what fits ``budget``.
+
+    Outputs and gradients equal those of ``function(*args, **kwargs)`` without checkpointing.
+    Inside the region, the activations worth keeping (most recompute cost per byte) are kept
+    within the budget, and only the ops needed to rebuild the rest are replayed in backward.
+
+    Args:
+        function: the region, e.g. a transformer block. Plans are cached per callable and input
+            signature (tensor shapes, dtypes, strides, offsets and aliasing; autocast state;
+            non-tensor arguments; a module's training flags, scalar attributes and parameters):
+            pass a stable callable (a module, a method of one), not a lambda made anew for
+            every call. A plain function's closure and global tensors and modules are part of
+            the signature; after changing state reached otherwise, call :func:`reset_plans`.
+        *args, **kwargs: passed to ``function``.
+        budget: ``None`` or ``0.0``: keep nothing (``torch.utils.checkpoint``'s memory); a float
+            in ``(0, 1]``: the fraction of the activation bytes the region holds without
+            checkpointing that may be kept; an ``int``: that many bytes.
+        preserve_rng_state: replay random ops (dropout) with the generator state of the forward.
+            If False, their results are kept instead of recomputed.
+        use_reentrant: accepted for compatibility; ``True`` is warned about once and the
+            non-reentrant path is used.
+        offload: let activations that do not fit ``budget`` go to (pinned) host memory instead
+            of being recomputed, each one only where the planner's cost model, with copy speeds
+            measured once per process, finds the copy cheaper than its recompute. Copies run on
+            a side stream; backward brings them back ahead of need.
+        host_budget: with ``offload``, the most bytes of host memory the store may hold
+            (``None``: no bound). Past it, tensors are recomputed instead (warned once).
+        cost: what replaying an op costs, for the planner to minimise. Each op is priced once,
+            in the call that traces the region, and the price stays with the plan (``cost`` is
+            part of the plan's cache key):
+
+            - ``"flops"`` (default): a roofline estimate, the op's FLOPs (torch's formulas) plus
+              the bytes it reads and writes times the machine balance (8 FLOPs a byte on CPU,
+              100 on CUDA). Offload's copies: their measured time in the same units.
+            - ``"measured"``: the op's time in the traced call, in seconds (wall clock on CPU;
+              on CUDA, synchronised around each op, which slows that one call only). Offload's
+              copies: seconds per byte of a round trip, from measured copy speeds.
+            - a callable ``cost(op) -> float``: ``op`` is a frozen
+              :class:`gradaccel.checkpoint.OpCost` with ``name`` (``"aten.mm.default"``),
+              ``flops``, ``bytes`` (read and written) and ``device`` (of its first tensor
+              argument; CPU for an op with none). It must return a finite float ``>= 0``. With
+              ``offload``, it is also called once with ``name="gradaccel.offload"``, ``flops=0``
+              and ``bytes=2**20``: the cost of sending that many bytes to host memory and back.
+              Pass the same callable on every call (a new lambda each time traces anew).
+
+    Returns:
+        What ``function`` returns.
+
+    Raises:
+        ValueError: ``budget`` is negative, above 1.0 as a fraction, NaN, a bool or not a number;
+            ``offload`` is not a bool; ``host_budget`` is not None or an int >= 0; ``cost`` is
+            a string other than ``"flops"``/``"measured"``, or a callable ``cost`` returned
+            a negative, NaN, infinite or non-number value.
+        TypeError: ``cost`` is neither a string nor a hashable callable.
+    """
+    _check_budget(budget)
+    return _checkpoint(function, args, kwargs, budget, preserve_rng_state, use_reentrant, offload, host_budget, cost)
+
+
+def _checkpoint(function, args, kwargs, budget, preserve_rng_state=True, use_reentrant=None, offload=False,
+                host_budget=None, cost="flops"):
+    """:func:`checkpoint`, for callers that checked ``budget`` where it was set (checkpoint_blocks'
+    blocks): a small int budget chosen by ``memory=`` is not warned about as if the user wrote it."""
+    budget = _check_budget(budget, warn=False)
+    cost = check_cost(cost)
+    if not isinstance(offload, bool):
+        raise ValueError(f"offload must be True or False, got {offload!r}")
+    if host_budget is not None and (isinstance(host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0):
+        raise ValueError(f"host_budget must be None or an int >= 0 (bytes), got {host_budget!r}")
+    if use_reentrant:
+        _warn_once("reentrant", "gradaccel.checkpoint: use_reentrant=True is not supported; "
+                                "the non-reentrant implementation is used.")
+    torch_only = {k: kwargs.pop(k) for k in _TORCH_ONLY_KWARGS if k in kwargs}
+    changed = sorted(k for k, v in torch_only.items() if v is not _TORCH_ONLY_KWARGS[k] and v != _TORCH_ONLY_KWARGS[k])
+    if changed and (budget != 0 or offload):
+        _warn_once(("torch_only", tuple(changed)),
+                   f"gradaccel.checkpoint: {', '.join(changed)} is an option of torch.utils.checkpoint only: the "
+                   "region runs as torch.utils.checkpoint (whole-region recompute, budget unused). Leave it at "
+                   "its default for a selective plan.")
+    if (budget == 0 and not offload) or changed or not torch.is_grad_enabled():
+        return _tc.checkpoint(function, *args, use_reentrant=False,
+                              preserve_rng_state=preserve_rng_state, **torch_only, **kwargs)
+    fn, args, kwargs = _unwrap(function, args, kwargs)
+    flat, spec = tree_flatten((args, kwargs))
+    owner, func = _owner(fn)
+    key = _signature(func, flat, spec, budget, preserve_rng_state, owner) + (offload, host_budget, cost)
+    try:
+        # A tensor's == is elementwise, so it cannot key a dict: its methods are traced every call.
+        regions = {} if isinstance(owner, torch.Tensor) else STATE.regions.setdefault(owner, {})
+    except TypeError:  # not weak-referenceable: trace every call (correct, slower)
+        regions = {}
+    region = regions.pop(key, None)
+    if region is not None:
+        regions[key] = region  # most recently used last: the cache drops from the front
+        region.calls += 1
+        if region.plan is None:
+            return _run_dynamic(region, fn, args, kwargs, preserve_rng_state)
+        if region.plan.externals_alive():
+            return _run_planned(region, regions, key, fn, args, kwargs, flat)
+    return _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state,
+                       store_for(host_budget) if offload else None, cost)
+
+
+def _run_planned(region, regions, key, fn, args, kwargs, flat):
+    plan = region.plan
+    rng = capture_rng(plan.graph.devices) if plan.needs_rng else None
+    frame = Frame(plan, flat, rng) if region.store is None or not plan.offloaded else \
+        OffloadFrame(plan, flat, rng, region.store)
+    with saved_tensors_hooks(frame.pack, frame.unpack), active(frame):
+        out = fn(*args, **kwargs)
+    if not frame.finish(out):
+        _retire(regions.pop(key, None))
+        _warn_once(("diverged", region.name),
+                   f"gradaccel.checkpoint: {region.name} saved different tensors than when it was traced for "
+                   "the same input signature; it is traced again on its next call. Make the region's behaviour "
+                   "depend only on its arguments (and module.training).")
+    return out
+
+
+def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store, cost):
+    graph = Graph(flat, preserve_rng_state, cost)
+    devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
+    rng = capture_rng(devices) if preserve_rng_state else None
+    frame = TraceFrame(graph, flat, rng)
+    graph.module_names = _module_names(fn)
+    with saved_tensors_hooks(frame.pack, frame.unpack), active(frame), module_stack(graph.module_stack), \
+            DataReads(graph), frame.recorder:
+        out = fn(*args, **kwargs)
+    frame.finish(out)
+    name = _name(fn)
+    region = _Region(name, graph, budget, flat, store)
+    _retire(regions.pop(key, None))
+    if graph.dynamic:
+        if _split(region, owner=_owner(fn)[0]):
+            return out  # traced again, with the submodule split off, on the next call
+        _warn_once(("fallback", name, graph.dynamic_reason),
+                   f"gradaccel.checkpoint: {name} falls back to torch.utils.checkpoint (the whole region is "
+                   f"recomputed in backward unless its budget holds all of it): its forward runs "
+                   f"{_describe(graph.dynamic_reason)}, which depends on tensor values, so a trace of it cannot "
+                   "be replayed. Move that op out of the checkpointed region to get a selective plan.")
+    regions[key] = region
+    if len(regions) > MAX_PLANS:  # a key that moves every call must not grow the cache without end
+        _retire(regions.pop(next(iter(regions))))
+        _warn_once(("retraced", name),
+                   f"gradaccel.checkpoint: {name} was traced for more than {MAX_PLANS} signatures, and each new "
+                   "one runs as a full recompute. Either it sees many input shapes (pad to a few lengths), or "
+                   "something it reads changes on every call (a new tensor it closes over, a counter attribute, "
+                   "a NaN): pass such tensors as arguments.")
+    STATE.in_order[:] = [r for r in STATE.in_order if r() is not None] + [weakref.ref(region)]
+    return out
+
+
+def _split(region, owner) -> bool:
+    """Where a data-dependent op ran in a submodule of the region (eager MoE experts' ``nonzero``),
+    that submodule alone becomes its own ``torch.utils.checkpoint`` and the rest of the region
+    gets a selective plan. Returns False where there is no such submodule (plain fallback)."""
+    graph = region.graph
+    sub = graph.dynamic_module() if graph.dynamic_module is not None else None
+    if not isinstance(sub, torch.nn.Module) or sub is owner or not split_off(sub, graph.dynamic_reason):
+        return False
+    _warn_once(("split", region.name, type(sub).__name__),
+               f"gradaccel.checkpoint: {region.name}: {type(sub).__name__} runs {_describe(graph.dynamic_reason)}, "
+               "which depends on tensor values: that submodule runs as torch.utils.checkpoint (recomputed whole "
+               "in backward) and the rest of the region gets a selective plan from its next call.")
+    return True
+
+
+def _retire(region) -> None:
+    """A region replaced or dropped from its cache: a backward may still hold it, but it is no
+    longer the plan, so plan_rows() leaves it out."""
+    if region is not None:
+        region.retired = True
+
+
+def _module_names(fn) -> dict[int, str]:
+    """id -> name of each submodule of the region's module, for the report's op names."""
+    root = getattr(fn, "__self__", fn)
+    return {id(m): n for n, m in root.named_modules() if n} if isinstance(root, torch.nn.Module) else {}
+
+
+def _run_dynamic(region, fn, args, kwargs, preserve_rng_state):
+    if region.budget_bytes >= region.graph.activation_bytes:
+        return fn(*args, **kwargs)  # everything fits: plain autograd
+    return _tc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+
+
+def _unwrap(fn, args, kwargs):
+    """``functools.partial`` layers folded into the arguments, so the plan is cached on the
+    underlying callable and tensors bound in the partial are seen as inputs."""
+    while isinstance(fn, functools.partial):
+        args = fn.args + tuple(args)
+        kwargs = {**fn.keywords, **kwargs}
+        fn = fn.func
+    return fn, args, kwargs
+
+
+def _name(fn) -> str:
+    bound = getattr(fn, "__self__", None)
+    if isinstance(bound, torch.nn.Module):
+        return f"{type(bound).__name__}.{getattr(fn, '__name__', 'forward')}"
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__name__
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def checkpoint_sequential(functions, segments, input, use_reentrant=None, *, budget=None, preserve_rng_state=True,
+                          cost="flops"):
+    """Same signature and results as ``torch.utils.checkpoint.checkpoint_sequential`` (its
+    positional order: ``use_reentrant`` fourth), each segment checkpointed with ``budget``
+    (keyword-only; the last segment, as in torch, is not checkpointed).
+
+    Args:
+        functions: an ``nn.Sequential`` or a list of modules/functions, run in order.
+        segments: how many chunks to split ``functions`` into.
+        input: the input of the first function.
+        use_reentrant, budget, preserve_rng_state, cost: as for :func:`checkpoint`.
+
+    Returns:
+        The output of the last function.
+    """
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+    segment_size = len(functions) // segments
+    end = -1
+    for start in range(0, segment_size * (segments - 1), segment_size):
+        end = start + segment_size - 1
+        input = checkpoint(_run_segment, input, *functions[start:end + 1], budget=budget,
+                           use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state, cost=cost)
+    return _run_segment(input, *functions[end + 1:])
+
+
+def _run_segment(x, *functions):
+    """A run of functions as one region. The functions are arguments, so the plan is cached
+    on this one function and keyed by which functions (and, for modules, training mode)."""
+    for f in functions:
+        x = f(x)
+    return x
+
+
+# -- reporting ---------------------------------------------------------------------------------
+def plan_rows() -> list[dict]:
+    """One dict per live traced region: name, signature, calls, bytes held against the budget,
+    ops kept, replayed and offloaded (``kept_where``/``replayed_where``: the same with the
+    submodule that ran each, as ``"mm (mlp.fc1)"``), estimated recompute FLOPs, ``recompute_cost``
+    (what the planner minimises, in its cost model's units: see ``cost``), whether the plan is exact, and
+    ``priced_ops``: the ops with no FLOP formula and how their cost was found (``"measured"``
+    in the traced forward, or a conservative ``"bound"``)."""
+    rows = []
+    for ref in STATE.in_order:
+        region = ref()
+        if region is None or getattr(region, "retired", False):
+            continue
+        plan, graph = region.plan, region.graph
+        row = {"region": region.name, "signature": region.signature, "calls": region.calls,
+               "budget": region.budget, "total_bytes": graph.activation_bytes}
+        if plan is None:
+            row.update(mode=f"torch.utils.checkpoint ({_describe(graph.dynamic_reason)})",
+                       fallback_reason=graph.dynamic_reason)
+        else:
+            kept = sorted({_producer_name(graph, p.storage) for k, p in enumerate(graph.packs)
+                           if plan.keep[k] and graph.storages[p.storage].creator >= 0})
+            row.update(mode="selective", kept_bytes=plan.kept_bytes, budget_bytes=plan.budget_bytes,
+                       kept_ops=kept, replayed_ops=[str(graph.ops[i].func) for i in plan.steps],
+                       offloaded_ops=sorted({_producer_name(graph, s) for s in plan.offloaded}),
+                       offloaded_bytes=plan.offloaded_bytes,
+                       recompute_flops=plan.recompute_flops, recompute_cost=plan.cost, exact=plan.exact,
+                       fits=plan.fits,
+                       priced_ops={str(op.func): op.priced for op in graph.ops if op.priced != "formula"},
+                       kept_where=sorted({_where(graph, graph.storages[p.storage].creator) for k, p in enumerate(graph.packs)
+                                          if plan.keep[k] and graph.storages[p.storage].creator >= 0}),
+                       replayed_where=[_where(graph, i) for i in plan.steps],
+                       split=[str(op.func) for op in graph.ops if isinstance(op.func, Opaque)])
+        rows.append(row)
+    return rows
+
+
+def _where(graph: Graph, i: int) -> str:
+    op = graph.ops[i]
+    name = str(op.func).removeprefix("aten.").removesuffix(".default")
+    return f"{name} ({op.module})" if op.module else name
+
+
+def _producer_name(graph: Graph, sid: int) -> str:
+    return str(graph.ops[graph.storages[sid].creator].func)
+
+
+def plan_report() -> str:
+    """A readable table of every traced region's plan (see :func:`plan_rows`), totals at the end."""
+    mib = 1 / 2**20
+    lines = ["kept/budget/no-ckpt: activation MiB a region holds for backward with this plan / may hold / "
+             "would hold without checkpointing; replayed: ops rerun in backward; exact: the plan is proven "
+             "least-cost; costs: ops with no FLOP formula, measured in the traced forward or bounded.",
+             f"{'region':<28} {'kept MiB':>9} {'budget MiB':>10} {'no-ckpt MiB':>11} {'replayed':>8} "
+             f"{'recompute GFLOP':>15}  exact  signature"]
+    total = dict(kept=0, budget=0, none=0, flops=0, n=0)
+    for r in plan_rows():
+        if r["mode"] != "selective":
+            lines.append(f"{r['region']:<28} {r['mode']}  {r['signature']}")
+            continue
+        total.update(kept=total["kept"] + r["kept_bytes"], budget=total["budget"] + r["budget_bytes"],
+                     none=total["none"] + r["total_bytes"], flops=total["flops"] + r["recompute_flops"], n=total["n"] + 1)
+        lines.append(f"{r['region'][:28]:<28} {r['kept_bytes'] * mib:>9.2f} {r['budget_bytes'] * mib:>10.2f} "
+                     f"{r['total_bytes'] * mib:>11.2f} {len(r['replayed_ops']):>8} {r['recompute_flops'] / 1e9:>15.4f}  "
+                     f"{'yes' if r['exact'] else 'no ':<5}  {r['signature']}")
+        lines.append(f"    kept:     {', '.join(r['kept_where']) or '-'}")
+        lines.append(f"    replayed: {', '.join(r['replayed_where']) or '-'}")
+        if r["split"]:
+            lines.append(f"    split:    {', '.join(r['split'])}")
+        if r["offloaded_ops"]:
+            lines.append(f"    offloaded ({r['offloaded_bytes'] * mib:.2f} MiB to host): {', '.join(r['offloaded_ops'])}")
+        if r["priced_ops"]:
+            lines.append("    costs:    " + ", ".join(f"{k} ({v})" for k, v in r["priced_ops"].items()))
+    lines.append(f"{'total (' + str(total['n']) + ' regions)':<28} {total['kept'] * mib:>9.2f} {total['budget'] * mib:>10.2f} "
+                 f"{total['none'] * mib:>11.2f} {'':>8} {total['flops'] / 1e9:>15.4f}")
+    return "\n".join(lines)

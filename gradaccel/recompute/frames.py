@@ -1,0 +1,320 @@
+"""The state of one checkpointed forward call until its backward is done: a *frame*.
+
+A frame's pack hook decides, for the k-th tensor autograd saves, whether it stays (kept),
+leaves (dropped: rebuilt by replay) or goes to host memory (offloaded); its unpack hook hands
+each one back in backward. ``TraceFrame`` is the first call of a signature, which records
+the trace; ``OffloadFrame`` adds host memory. See gradaccel/recompute/checkpoint.py for the whole.
+"""
+
+import weakref
+
+import torch
+import torch.utils.checkpoint as _tc
+from torch.utils._pytree import tree_flatten
+
+from gradaccel.recompute.plan import Plan, _view, make_plan, rebuildable
+from gradaccel.recompute.roles import Source
+from gradaccel.recompute.state import STATE
+from gradaccel.recompute.storage import lazy_bits
+from gradaccel.recompute.trace import Graph, Recorder, node_kind
+
+
+class Saved:
+    """A saved tensor the frame keeps, with the version autograd would check it against: the
+    pack hooks stand in for autograd's saved variables, and so for its in-place check."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        # Detached if it requires grad (else a cycle through its grad_fn); else the object itself, as
+        # torch hands it back: a frozen nn.Parameter keeps its class and attributes, and `is` holds.
+        self.tensor = t.detach() if t.requires_grad else t
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{self.tensor.type()} {list(self.tensor.shape)}] is at version "
+                f"{self.tensor._version}; expected version {self.version} instead (gradaccel.checkpoint)")
+        return self.tensor
+
+
+class Frame:
+    """Keeps or drops each saved tensor as the plan says; rebuilds dropped ones on unpack."""
+
+    def __init__(self, plan: Plan | None, flat: list, rng):
+        self.plan = plan  # None for the traced call: its plan is made at its end
+        self.leaves: dict = {}  # storage -> the tensor replay starts from
+        self.pack_leaves: dict = {}  # pack index -> storage: kept tensors replay reads
+        self.out_leaves: list = []  # (storage, output index): outputs replay reads
+        if plan is not None:
+            self.leaves = {sid: flat[i] for sid, i in plan.arg_leaves}
+            self.pack_leaves = {**plan.out_pack_leaves, **plan.pack_leaves}
+            self.out_leaves = plan.out_leaves
+        self.rng = rng
+        self.k = 0
+        self.diverged = False
+        self.results = None
+        self.versions: dict = {}
+        self.finished = False  # False while the forward runs: a backward then is inside it
+
+    def opaque(self, forward, args, kwargs, name):
+        """Runs a split-off submodule (see gradaccel/recompute/checkpoint.py) as its own checkpoint."""
+        return _tc.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
+    def pack(self, t: torch.Tensor):
+        k = self.k
+        self.k = k + 1
+        plan = self.plan
+        if self.diverged or k >= len(plan.keep) or not self._as_traced(t, plan.graph.packs[k]):
+            return self._diverge(t)
+        if plan.keep[k]:
+            kept = Saved(t)
+            sid = self.pack_leaves.get(k)
+            if sid is not None:
+                self.leaves[sid] = kept.tensor
+            return kept
+        return k
+
+    def _as_traced(self, t: torch.Tensor, pack) -> bool:
+        """Whether ``t`` is the tensor the trace saw saved at this point."""
+        return _same_meta(t, pack)
+
+    def _diverge(self, t: torch.Tensor):
+        self.diverged = True  # not what the trace saw: keep it, and everything after it
+        return Saved(t)
+
+    @torch._disable_dynamo
+    def unpack(self, x):
+        if type(x) is not int:
+            return x.unpack()
+        if not self.finished:  # a backward inside the forward (a gradient penalty): only what it needs
+            try:
+                return self.plan.replay(self.leaves, self.rng, packs=[x])[x]
+            except KeyError:
+                raise RuntimeError(
+                    "gradaccel.checkpoint: a backward inside the region's forward needs a tensor the region "
+                    "has not made yet; use budget=0 (torch.utils.checkpoint) for this region.") from None
+        if self.results is None or x not in self.results:
+            self._check_leaves()
+            self.results = self.plan.replay(self.leaves, self.rng)
+        return self.results.pop(x)
+
+    def _check_leaves(self) -> None:
+        """Replay reads the arguments and outputs as they are now: refuse, loudly, what would
+        rebuild the dropped tensors wrongly."""
+        for sid, (t, version) in self.versions.items():
+            if t._version != version:
+                raise RuntimeError(
+                    "gradaccel.checkpoint: an argument or output of the region was modified in place after "
+                    "its forward, and backward recomputes from it; modify a clone instead (or use budget=0, "
+                    "which recomputes from the arguments only).")
+        missing = [sid for sid, src in self.plan.leaf_sources.items()
+                   if sid not in self.leaves and src.source is not Source.OBJ]
+        if missing:
+            raise RuntimeError(
+                "gradaccel.checkpoint: the region saved different tensors than when it was traced for the same "
+                "input signature, so what it dropped cannot be rebuilt. Make the region's behaviour depend only on "
+                "its arguments and on the modules it is called on (pass the region as a module, or as a method of "
+                "one, so that their training flags and frozen parameters are part of the signature), or call "
+                "gradaccel.reset_plans() after changing it.")
+
+    def finish(self, out) -> bool:
+        """Attaches the outputs replay reads; False when the call diverged from the trace."""
+        if self.out_leaves:
+            outs = tree_flatten(out)[0]
+            for sid, j in self.out_leaves:
+                self.leaves[sid] = outs[j].detach()
+        self.versions = _versions(self.leaves, self.plan)
+        self.finished = True
+        return not self.diverged and self.k == len(self.plan.keep)
+
+
+class OffloadFrame(Frame):
+    """A frame whose plan sends some saved storages to host memory through an ActivationStore.
+
+    The whole storage goes, once, at its first pack (views share it). If the store refuses
+    (``host_budget`` exhausted), the frame falls back to the plan without offload: it
+    recomputes instead, so the device budget still holds.
+    """
+
+    def __init__(self, plan: Plan, flat: list, rng, store):
+        super().__init__(plan, flat, rng)
+        fallback = plan.fallback
+        self.leaves.update({sid: flat[i] for sid, i in fallback.arg_leaves})
+        self.pack_leaves = {**fallback.pack_leaves, **plan.pack_leaves}
+        self.out_leaves = fallback.out_leaves + plan.out_leaves
+        self.store = store
+        self.handles: dict = {}  # storage -> store handle
+        self.fetched: dict = {}  # storage -> the storage back on its device (bytes)
+        self.fell_back = False
+        self.prefetched = False
+        weakref.finalize(self, _release, store, self.handles)
+        self.previous, STATE.previous_offload = STATE.previous_offload, weakref.ref(self)
+
+    @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
+    def pack(self, t: torch.Tensor):
+        k = self.k
+        x = super().pack(t)
+        if type(x) is int and not self.fell_back:
+            sid = self.plan.graph.packs[k].storage
+            if sid in self.plan.offloaded and sid not in self.handles:
+                whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+                handle = self.store.offload(whole)
+                if handle is None:
+                    self.fell_back = True
+                else:
+                    self.handles[sid] = handle
+        return x
+
+    @torch._disable_dynamo
+    def unpack(self, x):
+        if type(x) is not int:
+            return x.unpack()
+        if not self.prefetched:  # this region's copies, and the next region's (backward order)
+            self.prefetched = True
+            previous = self.previous() if self.previous is not None else None
+            for frame in (self, previous):
+                for handle in (frame.handles.values() if frame is not None else ()):
+                    self.store.prefetch(handle)
+        if self.fell_back:
+            if self.results is None or x not in self.results:
+                self.results = self.plan.fallback.replay(self.leaves, self.rng)
+            return self.results.pop(x)
+        p = self.plan.graph.packs[x]
+        if p.storage in self.plan.offloaded:
+            return _view(self._fetch(p.storage), p.size, p.stride, p.offset, p.dtype)
+        if self.results is None or x not in self.results:
+            for sid, src in self.plan.leaf_sources.items():
+                if src.source is Source.OFFLOAD:
+                    self.leaves[sid] = self._fetch(sid)
+        return super().unpack(x)
+
+    def _fetch(self, sid: int) -> torch.Tensor:
+        if sid not in self.fetched:
+            self.fetched[sid] = self.store.fetch(self.handles[sid])
+        return self.fetched[sid]
+
+
+def store_for(host_budget):
+    """The ActivationStore of every region that offloads with this ``host_budget``."""
+    from gradaccel.recompute.offload import ActivationStore
+
+    if host_budget not in STATE.stores:
+        STATE.stores[host_budget] = ActivationStore(host_budget)
+    return STATE.stores[host_budget]
+
+
+def _release(store, handles: dict) -> None:
+    for handle in handles.values():
+        store.release(handle)
+    handles.clear()
+
+
+class TraceFrame(Frame):
+    """The first call: records the graph and drops every saved tensor that can be rebuilt."""
+
+    def __init__(self, graph: Graph, flat: list, rng):
+        super().__init__(None, flat, rng)
+        self.graph = graph
+        self.flat = flat
+        self.dropped: set = set()
+        self.kept: dict = {}
+        self.recorder = Recorder(graph)
+        self.taken_back: dict = {}  # output storage -> Saved, as the forward left it
+        self.so_far = (None, None, None)  # (trace size, plan, leaves) for a backward inside the forward
+
+    def opaque(self, forward, args, kwargs, name):
+        """A split-off submodule: run as its own checkpoint, unrecorded, and noted as one op."""
+        was, self.recorder.paused = self.recorder.paused, True
+        self.graph.in_opaque += 1
+        try:
+            out = _tc.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        finally:
+            self.recorder.paused = was
+            self.graph.in_opaque -= 1
+        if not was:
+            self.graph.record_opaque(name, args, kwargs, out)
+        return out
+
+    @torch._disable_dynamo  # a hook: when a compiled block saves tensors, dynamo must not trace it
+    def pack(self, t: torch.Tensor):
+        was, self.recorder.paused = self.recorder.paused, True  # our own detach() is not part of the region
+        try:
+            graph = self.graph
+            sid = graph.add_pack(t)
+            k = len(graph.packs) - 1
+            if not lazy_bits(t) and graph.storages[sid].creator >= 0 and rebuildable(graph, sid):
+                self.dropped.add(sid)
+                return k
+            saved = Saved(t)
+            self.kept[k] = saved.tensor
+            return saved
+        finally:
+            self.recorder.paused = was
+
+    def finish(self, out) -> bool:
+        graph = self.graph
+        graph.finish(out)
+        self.strong = graph.take_externals()  # this call's backward may read them
+        self.plan = make_plan(graph, 0, dropped=self.dropped)
+        outs = tree_flatten(out)[0]
+        self.leaves.update(self._held_leaves(self.plan))
+        # Taken back from the outputs: what was dropped before it was one, and what replay reads that
+        # autograd saved. Other outputs are not held (the caller may drop them: y = x + f(x)).
+        wanted = self.dropped | {s for s, src in self.plan.leaf_sources.items() if src.source is Source.OUT}
+        for s, j in graph.outputs.items():
+            if s in wanted:
+                self.leaves.setdefault(s, outs[j].detach())
+                self.taken_back[s] = Saved(self.leaves[s])  # checked at unpack, like a kept tensor
+        self.versions = _versions(self.leaves, self.plan)
+        self.flat = self.kept = None
+        self.finished = True
+        return True
+
+    def _held_leaves(self, plan: Plan) -> dict:
+        """The leaves of ``plan`` this call holds already: its arguments and the tensors it kept."""
+        return {sid: self.flat[src.at] if src.source is Source.ARG else self.kept[src.at]
+                for sid, src in plan.leaf_sources.items() if src.source in (Source.ARG, Source.PACK)}
+
+    def _unpack_in_forward(self, x):
+        """A backward inside the forward (a gradient penalty, a nested checkpoint's early
+        stop): rebuilds the dropped tensors saved so far from a plan of the trace so far."""
+        was, self.recorder.paused = self.recorder.paused, True  # the replay is not part of the region
+        try:
+            key = (len(self.graph.ops), len(self.graph.packs))  # the trace so far
+            if self.so_far[0] != key:
+                plan = make_plan(self.graph, 0, dropped=self.dropped)
+                self.so_far = (key, plan, self._held_leaves(plan))
+            _, plan, leaves = self.so_far
+            t = plan.replay(leaves, self.rng, packs=[x])[x]
+        finally:
+            self.recorder.paused = was
+        # What the backward computes from it reads the saved tensor's storage, not a new one.
+        sid = self.graph.packs[x].storage
+        self.graph.alias(t, sid)
+        return t
+
+    @torch._disable_dynamo
+    def unpack(self, x):
+        if not self.finished:
+            return x.unpack() if type(x) is not int else self._unpack_in_forward(x)
+        if type(x) is int and self.plan.keep[x]:  # an output's storage, dropped before it was one
+            p = self.graph.packs[x]
+            saved = self.taken_back.get(p.storage)
+            base = saved.unpack() if saved is not None else self.leaves[p.storage]
+            return _view(base, p.size, p.stride, p.offset, p.dtype)
+        return super().unpack(x)
+
+
+def _versions(leaves: dict, plan: Plan) -> dict:
+    """storage -> (tensor, version at the end of the forward) for the arguments and outputs
+    that replay reads."""
+    return {sid: (leaves[sid], leaves[sid]._version) for sid, src in plan.leaf_sources.items()
+            if src.source in (Source.ARG, Source.OUT) and sid in leaves}
+
+
+def _same_meta(t: torch.Tensor, pack) -> bool:
+    return t.dtype == pack.dtype and t.shape == pack.size and node_kind(t) == pack.grad_fn

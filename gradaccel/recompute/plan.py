@@ -1,0 +1,322 @@
+"""Turns a traced region into a plan: what each saved tensor does (keep or drop) and the replay
+program that rebuilds the dropped ones in backward.
+
+The choice itself is made by the C++ planner (gradaccel/ops/csrc/planner.cpp); this module builds its arrays
+from the trace, and runs the replay: only the ops the dropped tensors need, in their original
+order, under ``no_grad`` (autograd re-attaches unpacked tensors to the forward graph, so even
+double backward needs no recorded history), with autocast off (the trace is below autocast:
+its casts are ops of their own) and the generator restored to its state at region entry.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import math
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gradaccel.ops import extension as _ext
+from gradaccel.recompute.roles import Leaf, Read, Source
+from gradaccel.recompute.cost import FLOPS_PER_BYTE, OFFLOAD_PROBE_BYTES, OpCost, price
+from gradaccel.recompute.trace import Graph, Ref
+
+
+@dataclasses.dataclass
+class Plan:
+    """The keep/drop decision for one traced region, and how to undo each drop."""
+
+    graph: Graph
+    keep: list  # per pack: True = keep (the tensor stays alive), False = drop and replay
+    steps: list  # op ids to replay, in order
+    reads: dict  # (op id, leaf index) -> Read: where a replayed op's tensor argument comes from
+    leaf_sources: dict  # storage -> Leaf: where a call finds each storage replay starts from
+    uses_rng: bool
+    kept_bytes: int  # activation bytes this plan holds after forward
+    total_bytes: int  # activation bytes the region holds without checkpointing
+    budget_bytes: int
+    recompute_flops: int
+    cost: float
+    exact: bool
+    fits: bool
+    offloaded: set = dataclasses.field(default_factory=set)  # storages sent to host memory
+    offloaded_bytes: int = 0
+    fallback: "Plan | None" = None  # the plan without offload, if host memory runs out
+
+    # -- what the forward needs (computed once per plan, read by every call's frame) ---------
+    @functools.cached_property
+    def arg_leaves(self) -> list[tuple[int, int]]:
+        return [(sid, src.at) for sid, src in self.leaf_sources.items() if src.source is Source.ARG]
+
+    @functools.cached_property
+    def pack_leaves(self) -> dict[int, int]:
+        return {src.at: sid for sid, src in self.leaf_sources.items() if src.source is Source.PACK}
+
+    @functools.cached_property
+    def out_leaves(self) -> list[tuple[int, int]]:
+        return [(sid, src.at) for sid, src in self.leaf_sources.items() if src.source is Source.OUT]
+
+    @property
+    def needs_rng(self) -> bool:
+        """Whether a call must save the generator state: this plan, or its fallback, replays
+        random ops."""
+        return self.uses_rng or (self.fallback is not None and self.fallback.uses_rng)
+
+    def externals_alive(self) -> bool:
+        """False once a tensor read from outside the arguments has died: the region has
+        changed (e.g. a closure captured a new tensor) and must be traced again."""
+        return all(src.at() is not None for src in self.leaf_sources.values() if src.source is Source.OBJ)
+
+    @functools.cached_property
+    def out_pack_leaves(self) -> dict[int, int]:
+        """Outputs replay reads, by the first pack of their storage: a backward inside the
+        forward (before the outputs are returned) finds them there."""
+        first = {}
+        for k, p in enumerate(self.graph.packs):
+            first.setdefault(p.storage, k)
+        return {first[sid]: sid for sid, src in self.leaf_sources.items() if src.source is Source.OUT and sid in first}
+
+    @functools.cached_property
+    def _produced(self) -> dict:
+        """op id -> the values it makes (new storages and in-place writes)."""
+        produced: dict = {}
+        for vid, (_, op_id) in enumerate(self.graph.values):
+            produced.setdefault(op_id, []).append(vid)
+        return produced
+
+    def steps_for(self, packs) -> list:
+        """The replay steps that the saved tensors ``packs`` (pack indices) need, in order: a
+        backward inside the forward rebuilds only those, from what the forward has made so far."""
+        graph, produced = self.graph, self._produced
+        need = {graph.packs[k].value for k in packs}
+        chosen = []
+        for op_id in reversed(self.steps):
+            if any(v in need for v in produced.get(op_id, ())):
+                chosen.append(op_id)
+                need.update(graph.ops[op_id].reads)
+        return chosen[::-1]
+
+    # -- replay ------------------------------------------------------------------------------
+    def replay(self, leaves: dict, rng_state, packs=None) -> dict:
+        """Rebuilds every dropped saved tensor (or only those in ``packs``, pack indices).
+        ``leaves`` maps storage ids to tensors held by the forward (kept tensors, arguments,
+        outputs). Returns {pack index: tensor}."""
+        graph, env = self.graph, {}
+        steps = self.steps if packs is None else self.steps_for(packs)
+        for sid, src in self.leaf_sources.items():
+            if src.source is Source.OBJ:
+                t = src.at()
+                if t is None:
+                    raise RuntimeError(
+                        "gradaccel.checkpoint: a tensor the region read from outside its arguments was freed "
+                        "before backward; pass it to the region as an argument.")
+                leaves[sid] = t
+        with torch.no_grad(), _autocast_off(graph.devices), _rng_restored(rng_state):
+            for op_id in steps:
+                op = graph.ops[op_id]
+                args = [self._arg(op_id, i, x, env, leaves) for i, x in enumerate(op.leaves)]
+                a, kw = tree_unflatten(args, op.spec)
+                out_leaves = tree_flatten(op.func(*a, **kw))[0]
+                for sid, i in op.new_storages:
+                    env[sid] = out_leaves[i]
+        wanted = range(len(graph.packs)) if packs is None else packs
+        return {k: _view(env[graph.packs[k].storage], *_geometry(graph.packs[k])) for k in wanted
+                if not self.keep[k] and graph.packs[k].storage not in self.offloaded}
+
+    def _arg(self, op_id, i, x, env, leaves):
+        if not isinstance(x, Ref):
+            return x
+        where = self.reads[(op_id, i)]
+        if where is Read.META:
+            return torch.empty_strided(x.size, x.stride, dtype=x.dtype, device=x.device)
+        base = env[x.storage] if where is Read.REPLAY else leaves[x.storage]
+        return _view(base, x.size, x.stride, x.offset, x.dtype)
+
+
+def _geometry(p) -> tuple:
+    return p.size, p.stride, p.offset, p.dtype
+
+
+def _view(base: torch.Tensor, size, stride, offset, dtype) -> torch.Tensor:
+    """``base``'s storage seen with the given geometry (the same tensor when it already is)."""
+    if base.dtype == dtype:
+        if base.shape == size and base.stride() == stride and base.storage_offset() == offset:
+            return base
+        return base.as_strided(size, stride, offset)
+    return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
+
+
+@contextlib.contextmanager
+def _autocast_off(devices):
+    with contextlib.ExitStack() as stack:
+        for kind in sorted({d.type for d in devices}):
+            stack.enter_context(torch.autocast(kind, enabled=False))
+        yield
+
+
+def capture_rng(devices) -> tuple:
+    """Generator states at region entry (CPU, and each CUDA device the region touches)."""
+    cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    return torch.get_rng_state(), [(i, torch.cuda.get_rng_state(i)) for i in cuda]
+
+
+@contextlib.contextmanager
+def _rng_restored(state):
+    if state is None:
+        yield
+        return
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[i for i, _ in cuda], device_type="cuda"):
+        torch.set_rng_state(cpu)
+        for i, s in cuda:
+            torch.cuda.set_rng_state(s, i)
+        yield
+
+
+def copy_device(graph: Graph) -> torch.device:
+    """The device whose copies to host memory offload prices: the region's GPU, else the CPU."""
+    return next((d for d in graph.devices if d.type == "cuda"), torch.device("cpu"))
+
+
+def offload_cost_per_byte(device: torch.device, cost="flops") -> float:
+    """What sending one byte to host memory and back costs, in the units of op costs under the
+    cost model ``cost`` (see :func:`gradaccel.checkpoint`), with copy speeds measured once per
+    process (gradaccel.recompute.offload.copy_bandwidth): for ``"measured"``, the round trip's seconds per
+    byte; for a callable, its price of a round trip of a MiB (``OpCost`` named
+    ``"gradaccel.offload"``), per byte."""
+    if callable(cost):
+        return price(cost, OpCost("gradaccel.offload", 0, OFFLOAD_PROBE_BYTES, device), None) / OFFLOAD_PROBE_BYTES
+    from gradaccel.recompute.offload import copy_bandwidth
+
+    d2h, h2d = copy_bandwidth(device)
+    if cost == "measured":
+        return 1 / d2h + 1 / h2d
+    return _flops_copy_cost(device, d2h, h2d)
+
+
+@functools.cache
+def _flops_copy_cost(device: torch.device, d2h: float, h2d: float) -> float:
+    """The round trip under the "flops" model. Op costs count the bytes an op reads and writes at
+    the device's memory bandwidth; a copy of n bytes moves 2n there, so a round trip costs
+    2 * (bandwidth / d2h + bandwidth / h2d) per byte."""
+    if device.type == "cuda":
+        x = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+        y = torch.empty_like(x)
+        y.copy_(x)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            y.copy_(x)
+        end.record()
+        end.synchronize()
+        local = 5 * x.numel() / (start.elapsed_time(end) / 1e3)
+        balance = FLOPS_PER_BYTE["cuda"]
+    else:
+        local, balance = (d2h + h2d) / 2, FLOPS_PER_BYTE["cpu"]
+    return 2 * balance * (local / d2h + local / h2d)
+
+
+def rng_state_bytes(graph: Graph) -> int:
+    """Bytes of the generator states a call saves for a replay of random ops."""
+    cpu, cuda = capture_rng(graph.devices)
+    return cpu.numel() + sum(s.numel() for _, s in cuda)
+
+
+def _problem(graph: Graph, available: list, candidates: list, nbytes: list, values: list):
+    """The planner's view of ``graph`` (see gradaccel/ops/csrc/planner.cpp): ``available`` per storage,
+    and each candidate storage with its bytes and the value backward needs of it."""
+    return _ext.load().PlanProblem(
+        [op.cost for op in graph.ops], [op.replayable for op in graph.ops], [op.reads for op in graph.ops],
+        [p for _, p in graph.values], [s for s, _ in graph.values],
+        [graph.is_leaf_value(v) for v in range(len(graph.values))], available, candidates, nbytes, values,
+        [op.random for op in graph.ops])
+
+
+def rebuildable(graph: Graph, sid: int) -> bool:
+    """Whether replay can rebuild storage ``sid`` as it is now from what existed before the
+    region. The planner answers it, as it does for every plan; the traced call asks it of each
+    tensor autograd saves, as the trace so far stands."""
+    available = [s.creator < 0 for s in graph.storages]
+    problem = _problem(graph, available, [sid], [0], [graph.current(sid)])
+    return problem.replay([False])[0] != math.inf
+
+
+def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
+              offload_cost_per_byte: float | None = None, rng_bytes: int = 0) -> Plan:
+    """Plans ``graph``, in one call of the C++ planner: under ``budget_bytes``, or (the traced
+    call itself) with exactly the storages in ``dropped`` dropped and every other saved storage kept.
+
+    ``rng_bytes``: the generator state a call saves when its replay runs random ops; where the
+    plan replays one, it is planned at ``budget_bytes - rng_bytes`` instead (the state is held
+    by the region too). With ``offload_cost_per_byte`` (the copy's cost in the units of op costs),
+    storages the budget leaves out go to host memory instead of being recomputed where that costs
+    less: greedily, the one that saves most replay cost per byte first. The plan then carries a
+    ``fallback``: the same plan without offload, for a call whose host memory runs out.
+
+    Raises:
+        RuntimeError: ``dropped`` is given and cannot all be rebuilt (the traced call already
+            freed them), e.g. because the region wrote in place to a tensor it did not create.
+    """
+    storages = graph.storages
+    packed = {p.storage for p in graph.packs}
+    region = graph.activations
+    candidates = region if dropped is None else sorted(dropped - set(graph.outputs))
+    # Outputs count as available only where autograd saves them too (and so holds them): one the
+    # caller drops must not be held for replay (y = x + f(x) frees f's output).
+    available = [s.creator < 0 or (i in packed and i not in candidates) for i, s in enumerate(storages)]
+    final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
+    nbytes = [storages[s].nbytes for s in candidates]
+    problem = _problem(graph, available, candidates, nbytes, [final[s] for s in candidates])
+    if dropped is not None:
+        # Nothing to choose: every candidate is dropped. (The search would keep a 0-byte one,
+        # such as the empty sentinel torch 2.11's checkpoint saves, which the call has freed.)
+        cost, steps = problem.replay([False] * len(candidates))
+        if cost == math.inf:
+            raise RuntimeError(
+                "gradaccel.checkpoint: the region writes in place to a tensor it did not create, so what it "
+                "saved for backward cannot be recomputed; use budget=0 (torch.utils.checkpoint) for this region.")
+        return _build(graph, region, available, set(), set(), steps, cost, True, True, 0)
+    r = problem.plan(budget_bytes, rng_bytes=rng_bytes, copy_cost_per_byte=offload_cost_per_byte)
+    kept = {s for s, k in zip(candidates, r.kept) if k}
+    offloaded = {s for s, o in zip(candidates, r.offloaded) if o}
+    plan = _build(graph, region, available, kept, set(), r.fallback_steps, r.fallback_cost, r.exact, r.fits,
+                  r.budget)
+    if not offloaded:
+        return plan
+    with_offload = _build(graph, region, available, kept, offloaded, r.steps, r.cost, r.exact, r.fits, r.budget)
+    with_offload.fallback = plan
+    return with_offload
+
+
+def _build(graph, region, available, kept, offloaded, steps, cost, exact, fits, budget) -> Plan:
+    """The Plan for a choice: which storages are kept and offloaded, which ops replay."""
+    storages = graph.storages
+    on_device = lambda s: available[s] or s in kept  # noqa: E731
+    keep = [on_device(p.storage) for p in graph.packs]
+    steps_set = set(steps)
+    reads, leaf_needed = {}, set()
+    for op_id in steps:
+        for i, x in enumerate(graph.ops[op_id].leaves):
+            if isinstance(x, Ref):
+                producer = graph.values[x.value][1]
+                where = Read.META if x.meta_only else Read.REPLAY if producer in steps_set else Read.LEAF
+                reads[(op_id, i)] = where
+                if where is Read.LEAF:
+                    leaf_needed.add(x.storage)
+    first_pack = {}
+    for k, p in enumerate(graph.packs):
+        first_pack.setdefault(p.storage, k)
+    leaf_sources = {}
+    for s in sorted(leaf_needed):
+        if s in graph.outputs:
+            leaf_sources[s] = Leaf(Source.OUT, graph.outputs[s])
+        elif storages[s].creator < 0:
+            leaf_sources[s] = storages[s].external
+        elif s in offloaded:
+            leaf_sources[s] = Leaf(Source.OFFLOAD, s)
+        else:
+            leaf_sources[s] = Leaf(Source.PACK, first_pack[s])
+    return Plan(graph, keep, steps, reads, leaf_sources, any(graph.ops[i].random for i in steps),
+                sum(storages[s].nbytes for s in region if on_device(s)), graph.activation_bytes, budget,
+                sum(graph.ops[i].flops for i in steps), cost, exact, fits,
+                offloaded=offloaded, offloaded_bytes=sum(storages[s].nbytes for s in offloaded))
