@@ -38,7 +38,7 @@ import time
 import traceback
 from pathlib import Path
 
-SUITES = ("accumulate", "checkpoint", "train", "finetune", "distributed", "fit", "frontier")  # the default; `--suite offload` runs the raw store hooks too
+SUITES = ("accumulate", "checkpoint", "train", "finetune", "distributed", "fit", "frontier", "chunked_loss")  # the default; `--suite offload` runs the raw store hooks too
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest"
 
 

@@ -239,6 +239,23 @@ def test_results_md_sections(tmp_path):
     assert "| c | time | s | 4 | 0.250x |" in text
 
 
+def test_headline_is_copied_from_a_run(tmp_path):
+    from bench import headline
+
+    rows = [common.row("checkpoint", "gpt", v, m, x, u, "cpu") for v, m, x, u in (
+        ("torch-none", "held_bytes", 100.0, "B"), ("torch-full", "held_bytes", 2.0, "B"),
+        ("gradaccel-b0.5", "held_bytes", 50.0, "B"), ("torch-none", "time", 1.0, "s"))]
+    (tmp_path / "results.json").write_text(json.dumps(rows))
+    (tmp_path / "report.md").write_text("| date | 2026-01-02T03:04:05+00:00 |\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{headline.START}\nold\n{headline.END}\nafter\n")
+    headline.update(tmp_path, readme)
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("after\n") and "2026-01-02" in text
+    assert "| gpt | torch-none: 100 B | torch-full: 0.0200x | gradaccel-b0.5: 0.500x |" in text
+    assert "step time" not in text  # no gradaccel row for time: the line is left out
+
+
 @pytest.mark.parametrize("name", cli.SUITES + ("offload",))
 def test_real_suite_tiny(name, tmp_path, monkeypatch):
     """Each suite's own code on its tiny setting; turns on by itself once bench/<name>.py exists."""
