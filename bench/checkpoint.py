@@ -6,7 +6,7 @@ Per variant, side by side in one run:
 
 - ``time``: median step (forward + backward), interleaved with every other variant;
 - ``held_bytes``: activation bytes the forward leaves alive for backward, measured by storage
-  (gradaccel.memory.measure), exact;
+  (gradaccel.memory.counter), exact;
 - ``recompute_flops``: FLOPs of the backward minus those of the no-checkpoint backward
   (``torch.utils.flop_counter``), exact;
 - on CUDA, ``peak_bytes``: ``torch.cuda.max_memory_allocated`` over the step.
@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import gradaccel
 from bench.common import progress, pyplot, row, save_figure, time_interleaved, tiny
 from bench.models import Block, GPTConfig
-from gradaccel.memory.measure import StorageLog, held_activation_bytes
+from gradaccel.memory.counter import StorageLog, held_activation_bytes
 
 SUITE = "checkpoint"
 BASELINE = "torch-none"

@@ -96,7 +96,7 @@ class _Run:
         return sum(storages.values())
 
     def held_bytes(self) -> int:
-        from gradaccel.memory.measure import StorageLog, held_activation_bytes
+        from gradaccel.memory.counter import StorageLog, held_activation_bytes
 
         ids = self._ids()
         with self.acc.accumulate(self.model):

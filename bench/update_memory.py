@@ -9,7 +9,7 @@ SGD (it allocates nothing itself), one window of two micro-batches whose gradien
 hand. Stock PyTorch's ``opt.step()`` on bf16 ``.grad`` is the baseline. On CUDA the figure is
 ``torch.cuda.max_memory_allocated`` above the memory before the step; on CPU, the bytes of the
 storages created by the step and alive when the inner optimizer begins
-(``gradaccel.memory.measure.StorageLog``). The time is the median of the update step alone, unlogged.
+(``gradaccel.memory.counter.StorageLog``). The time is the median of the update step alone, unlogged.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import torch
 
 from bench.accumulate import gpt2_layout
-from gradaccel.memory.measure import StorageLog
+from gradaccel.memory.counter import StorageLog
 from gradaccel import FusedAccumOptimizer
 
 

@@ -1,7 +1,8 @@
 """Memory planning: how much a training step holds, and the plan that fits a target.
 
-- counter.py: :class:`LiveBytes`, the one count of live tensor bytes, and the step's fixed parts
-  (weights, gradients, optimizer state); measure.py: activation bytes held for backward.
+- counter.py: every count of bytes: :class:`LiveBytes` (live tensor bytes and their peak),
+  the activation bytes a forward holds for backward, and the step's fixed parts (weights,
+  gradients, optimizer state).
 - profile.py: one training micro-step profiled on fake tensors, block by block.
 - split.py: one target split across blocks, least recompute whose predicted peak fits.
 - parts.py and chunked_loss.py: the plans below the per-block floor (a block's parts as their

@@ -1,4 +1,5 @@
-"""Memory accounting for one training step: live tensor bytes, and the step's fixed parts.
+"""Memory accounting, one place for every count of bytes: live tensor bytes and their peak, the
+storages a forward leaves alive for backward, and a training step's fixed parts.
 
 :class:`LiveBytes` counts the bytes of tensor storages created while it is active and still
 alive (a weak reference on each storage tells it when one dies), and the peak of that count,
@@ -9,6 +10,11 @@ on fake ones (``FakeTensorMode``: a full-size model without allocating), which i
 What it counts: storages made by aten ops, each once however many views share it. What it
 cannot see: scratch memory an op allocates and frees inside its kernel, and the allocator's
 own slack (rounding, fragmentation, the CUDA context); :mod:`gradaccel.fit` states those apart.
+
+:class:`StorageLog` keeps the storages themselves (weakly) rather than a running count, for a
+look at them later at their size then (FSDP2 frees a storage by resizing it to 0);
+:func:`held_activation_bytes` uses it to measure what a forward holds for backward, as the
+checkpoint bench and tests do.
 """
 
 import functools
@@ -19,7 +25,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes", "parse_bytes", "format_bytes", "storage_bytes", "optimizer_state_bytes"]
+from gradaccel.recompute.storage import StorageMap, storage_key
+
+__all__ = ["LiveBytes", "StorageLog", "held_activation_bytes", "measured_peak", "parse_bytes", "format_bytes",
+           "storage_bytes", "optimizer_state_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -154,3 +163,46 @@ def measured_peak(model, optimizer, step, batch, windows: int = 2) -> int:
                 optimizer.step()
                 optimizer.zero_grad()
     return before + live.peak
+
+
+# -- which storages: a log of them, for what a forward leaves alive ---------------------------------
+class StorageLog(TorchDispatchMode):
+    """Logs every storage created while active (weakly; views and in-place results excluded).
+
+    It is a dispatch mode: code whose behaviour depends on whether one is active (torch's
+    selective checkpoint replays ops by index) must see one in its backward too; running that
+    backward under another ``StorageLog`` keeps the two passes alike.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.created = StorageMap()  # storage -> its bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # A view or an in-place result shares an input's storage: only new storages count.
+        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                if storage_key(t) not in inputs and self.created.get(t) is None:
+                    self.created.set(t, t.untyped_storage().nbytes())
+        return out
+
+
+def held_activation_bytes(fn, *args, **kwargs):
+    """Runs ``fn(*args, **kwargs)`` and measures what its forward leaves alive for backward.
+
+    Counts the bytes of storages created inside the forward that are still alive after it,
+    each storage once however many views share it, excluding the storages of the outputs
+    (the caller holds those) and anything that existed before (parameters, inputs).
+
+    Returns:
+        ``(output, bytes)``.
+    """
+    existing = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    log = StorageLog()
+    with log:
+        out = fn(*args, **kwargs)
+    outputs = {storage_key(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+    held = sum(nbytes for key, nbytes in log.created.items() if key not in outputs and key not in existing)
+    return out, held

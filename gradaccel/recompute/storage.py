@@ -1,5 +1,5 @@
 """Storages, defined once: who is which storage (views share one) and whether its bits are the
-tensor's values. The trace, the frames, the plan key, offload and ``gradaccel.memory.measure`` use these."""
+tensor's values. The trace, the frames, the plan key, offload and ``gradaccel.memory.counter`` use these."""
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef

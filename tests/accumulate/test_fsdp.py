@@ -497,7 +497,7 @@ def _window_guards(rank):
 def _held_now(fn):
     """Bytes of the storages ``fn``'s forward made that are alive after it, at their size now:
     FSDP2 frees a gathered parameter's storage by resizing it to 0 (the object stays)."""
-    from gradaccel.memory.measure import StorageLog
+    from gradaccel.memory.counter import StorageLog
     log = StorageLog()
     with log:
         out = fn()

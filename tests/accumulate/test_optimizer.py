@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from gradaccel.memory.measure import StorageLog
+from gradaccel.memory.counter import StorageLog
 from gradaccel import FusedAccumOptimizer
 
 

@@ -18,7 +18,7 @@ import gradaccel
 from _models import Block, GPTConfig
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.checkpoint import plan_report, plan_rows, reset_plans
-from gradaccel.memory.measure import held_activation_bytes
+from gradaccel.memory.counter import held_activation_bytes
 
 BUDGETS = [None, 0.0, 0.25, 0.5, 0.75, 1.0]
 

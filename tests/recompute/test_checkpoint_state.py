@@ -13,7 +13,7 @@ import torch.nn as nn
 import gradaccel
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.checkpoint import plan_rows, reset_plans
-from gradaccel.memory.measure import StorageLog
+from gradaccel.memory.counter import StorageLog
 
 BUDGETS = [0.25, 0.5, 300]
 
