@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gradaccel import blocks
+from gradaccel import _hf_dist, blocks
 from gradaccel.checkpoint import _check_budget
 from gradaccel.optimizer import FusedAccumOptimizer
 
@@ -99,6 +99,20 @@ def _enable_trainer(trainer, budget) -> None:
             _patch_accelerator(trainer.accelerator, trainer._gradaccel_budget)
 
         trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
+    if "train" not in vars(trainer):
+        train = trainer.train
+
+        def train_(*args, **kwargs):
+            try:
+                return train(*args, **kwargs)
+            except BaseException as exc:  # several processes: the others stop with this message
+                state = getattr(trainer.accelerator, "_gradaccel", None)
+                if state is not None:
+                    state.abort(exc)
+                raise
+
+        train_.__doc__ = train.__doc__
+        trainer.train = train_
     trainer._gradaccel_budget = budget
 
 
@@ -130,32 +144,36 @@ class _State:
     def fused(self) -> list[FusedAccumOptimizer]:
         return [o for o in (r() for r in self.optimizers) if o is not None]
 
+    def abort(self, exc: BaseException) -> None:
+        """Tells the other ranks that this one stopped mid-window (they raise at once, not hang)."""
+        for opt in self.fused():
+            agreement = getattr(opt._sync, "agreement", None)
+            if agreement is not None:
+                agreement.abort(exc)
+
 
 def _patch_accelerator(acc, budget) -> None:
     state = getattr(acc, "_gradaccel", None)
     if state is not None:
         state.budget = budget
         return
-    from accelerate.utils import DistributedType
-
-    if acc.distributed_type != DistributedType.NO or acc.num_processes > 1:
-        raise ValueError(f"gradaccel.hf.enable: {acc.distributed_type} with {acc.num_processes} process(es) is not "
-                         "supported; gradaccel reduces gradients itself: use a plain model and "
-                         "FusedAccumOptimizer(..., process_group=...) (examples/ddp_accumulate.py)")
+    _hf_dist.check(acc)  # DeepSpeed, FSDP, ...: refused with the route that works
     if getattr(acc, "scaler", None) is not None:
         raise ValueError("gradaccel.hf.enable: mixed_precision='fp16' uses a gradient scaler that reads .grad, "
                          "which gradaccel frees; use bf16")
     state = acc._gradaccel = _State(budget)
+    group = _hf_dist.group(acc)  # several processes: the window buffer is summed over them
+    _hf_dist.patch_prepare_model(acc)  # ... and accelerate builds no DDP (see gradaccel/_hf_dist.py)
     prepare, prepare_optimizer = acc.prepare, acc.prepare_optimizer
     clip_grad_norm_, backward = acc.clip_grad_norm_, acc.backward
 
     def prepare_optimizer_(optimizer, device_placement=None):
         if not getattr(optimizer, "_is_accelerate_prepared", False):
-            optimizer = _wrap(optimizer)
+            optimizer = _wrap(optimizer, group)
             state.optimizers.append(weakref.ref(optimizer))
         elif not isinstance(optimizer.optimizer, FusedAccumOptimizer):
             # Prepared before gradaccel was enabled (a Trainer trained once already): wrap inside.
-            optimizer.optimizer = _wrap(optimizer.optimizer)
+            optimizer.optimizer = _wrap(optimizer.optimizer, group)
             state.optimizers.append(weakref.ref(optimizer.optimizer))
         return prepare_optimizer(optimizer, device_placement=device_placement)
 
@@ -184,6 +202,9 @@ def _patch_accelerator(acc, budget) -> None:
 
     def backward_(loss, **kwargs):
         backward(loss, **kwargs)
+        for opt in state.fused():
+            if not opt._sync.sharded:
+                opt._sync.count_backward()  # the ranks check at the window's end that they ran as many
         # What was differentiated (accelerate divides by its accumulation steps): summed over the
         # window it is the window's loss, as the "sum" gradient is the window's gradient.
         for opt in state.fused():
@@ -193,14 +214,17 @@ def _patch_accelerator(acc, budget) -> None:
     acc.clip_grad_norm_, acc.clip_grad_value_, acc.backward = clip_grad_norm__, clip_grad_value__, backward_
 
 
-def _wrap(optimizer: torch.optim.Optimizer) -> FusedAccumOptimizer:
+def _wrap(optimizer: torch.optim.Optimizer, group=None) -> FusedAccumOptimizer:
     if isinstance(optimizer, FusedAccumOptimizer):
+        if group is not None and optimizer._sync.process_group() is None:
+            raise TypeError("gradaccel.hf: this FusedAccumOptimizer has no process_group while accelerate "
+                            "runs several processes; pass the plain optimizer and let gradaccel.hf.enable wrap it")
         if optimizer.accum_steps == 1 and optimizer.normalize == "sum":
             return optimizer
         raise TypeError("gradaccel.hf: this FusedAccumOptimizer accumulates by itself (accum_steps="
                         f"{optimizer.accum_steps}, normalize={optimizer.normalize!r}) while the framework "
                         "accumulates too; pass the plain optimizer and let gradaccel.hf.enable wrap it")
-    return FusedAccumOptimizer(optimizer, 1, normalize="sum")
+    return FusedAccumOptimizer(optimizer, 1, normalize="sum", process_group=group)
 
 
 def _check_covers(model: nn.Module, optimizer: FusedAccumOptimizer) -> None:
