@@ -20,6 +20,12 @@ gradaccel takes over three things underneath:
 - the checkpoint: Hugging Face gradient checkpointing, whoever turns it on (``TrainingArguments
   (gradient_checkpointing=True)``, SFTConfig's default, peft's ``prepare_model_for_kbit_training``,
   a later ``activation_checkpointing_enable()``), runs ``gradaccel.checkpoint`` at ``budget``.
+
+On several processes (``torchrun`` / ``accelerate launch``: accelerate's DDP, ``MULTI_GPU`` or
+``MULTI_CPU``) accelerate builds no ``DistributedDataParallel``: every rank starts from rank 0's
+weights, folds its micro-batches into its own fp32 buffer, and the buffer is all-reduced once per
+window, after the ranks agreed they ended the same window (``gradaccel/_hf_dist.py`` says why, and
+what is refused: DeepSpeed, FSDP through accelerate).
 """
 
 from __future__ import annotations
@@ -60,8 +66,13 @@ def enable(target: Any, budget: None | float | int = None) -> Any:
         TypeError: ``target`` is neither; the trainer already holds a ``FusedAccumOptimizer`` that
             accumulates by itself.
         ValueError: a set-up gradaccel cannot serve: fp16 with a gradient scaler, DeepSpeed,
-            FSDP, several processes, a bad ``budget``; or, at ``prepare``, an optimizer that
-            misses parameters the model trains (built before peft added its adapters).
+            FSDP through accelerate, a DDP communication hook, a bad ``budget`` (each message
+            names the route that works); or, at ``prepare``, an optimizer that misses
+            parameters the model trains (built before peft added its adapters), a model with
+            BatchNorm running statistics on several processes.
+        RuntimeError: during training on several processes, ranks that diverged (another
+            number of micro-batches in a window, a rank that raised or stopped): at the end of
+            the window, or after the process group's timeout, never a hang.
     """
     _check_budget(budget)
     accelerate = sys.modules.get("accelerate")
