@@ -1,5 +1,6 @@
 """The distributed suite's Trainer row: Hugging Face Trainer on the suite's ranks, stock DDP
-against ``gradaccel.hf.enable``, same model, data, accumulation and gradient checkpointing.
+against ``gradaccel.hf.enable``, same model, data and accumulation, with and without HF gradient
+checkpointing.
 
 - ``torch-ddp-trainer``: Trainer as launched by ``torchrun`` (accelerate wraps the model in DDP;
   Trainer's ``accelerator.accumulate`` skips the all-reduce but on each window's last micro-batch);
@@ -32,14 +33,23 @@ VARIANTS = ("torch-ddp-trainer", "gradaccel-trainer")
 
 
 def configs(device: str, quick: bool, tiny: bool) -> list[tuple[str, dict, int, int]]:
-    """(case, Llama config, sequences per micro-batch, accumulation steps)."""
+    """(case, Llama config plus ``checkpointing``, sequences per micro-batch, accumulation steps).
+
+    Each size twice: without gradient checkpointing (the gradient's path alone) and with HF's
+    (``-ckpt``: stock runs ``torch.utils.checkpoint``, gradaccel its own at ``budget=None``)."""
     if tiny:
-        return [("trainer-L2-C64-a2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2), 2, 2)]
+        return [("trainer-L2-C64-a2-ckpt", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                checkpointing=True), 2, 2)]
     if device.startswith("cuda"):
-        return [("trainer-L8-C1024-a8", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8), 4, 8)]
-    if quick:
-        return [("trainer-L4-C256-a4", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4), 4, 4)]
-    return [("trainer-L8-C512-a4", dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8), 4, 4)]
+        size, micro, accum = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8), 4, 8
+        name = "trainer-L8-C1024-a8"
+    elif quick:
+        size, micro, accum = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4), 4, 4
+        name = "trainer-L4-C256-a4"
+    else:
+        size, micro, accum = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8), 4, 4
+        name = "trainer-L8-C512-a4"
+    return [(name + suffix, dict(size, checkpointing=on), micro, accum) for suffix, on in (("", False), ("-ckpt", True))]
 
 
 def _data(n: int, vocab: int, seq: int):
@@ -73,7 +83,7 @@ def _held(model, trainer, fused) -> int:
     return held
 
 
-def _run(variant, base, data, out, micro, accum, windows, device, world):
+def _run(variant, base, data, out, micro, accum, windows, device, world, checkpointing):
     import transformers
 
     import gradaccel
@@ -82,7 +92,7 @@ def _run(variant, base, data, out, micro, accum, windows, device, world):
         output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=accum, max_steps=windows,
         use_cpu=not device.startswith("cuda"), ddp_backend=None if device.startswith("cuda") else "gloo",
         report_to=[], logging_strategy="no", save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
-        learning_rate=1e-4, gradient_checkpointing=True, max_grad_norm=0.0, bf16=device.startswith("cuda"))
+        learning_rate=1e-4, gradient_checkpointing=checkpointing, max_grad_norm=0.0, bf16=device.startswith("cuda"))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=_collate)
     if variant.startswith("gradaccel"):
         # budget=None: the checkpoint keeps what HF's does, so the row compares the gradient's path
@@ -167,6 +177,8 @@ def case(rank: int, device, name: str, cfg: dict, micro: int, accum: int, window
     """Runs both variants twice (interleaved) on every rank; returns rank's metrics per variant."""
     import transformers
     world = dist.get_world_size()
+    cfg = dict(cfg)
+    checkpointing = cfg.pop("checkpointing")
     config = transformers.LlamaConfig(vocab_size=1024, num_attention_heads=4, num_key_value_heads=4,
                                       max_position_embeddings=256, pad_token_id=0, **cfg)
     torch.manual_seed(0)
@@ -178,7 +190,7 @@ def case(rank: int, device, name: str, cfg: dict, micro: int, accum: int, window
     for rep in range(2):
         for v in VARIANTS:
             runs[v].append(_run(v, base, data, os.path.join(out_dir, f"{v}-{rep}"), micro, accum, windows,
-                                str(device), world))
+                                str(device), world, checkpointing))
     first = runs[VARIANTS[0]][0]
     batches = [None] * world
     dist.all_gather_object(batches, first["batches"])
