@@ -16,15 +16,16 @@ set, one wait and ``world`` gets per window, on the host, a few hundred microsec
 
 from __future__ import annotations
 
+import collections
 import itertools
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-# Optimizers with a process group are built in the same order on every rank: the n-th one's keys
-# are the same on every rank, and apart from every other's.
-_SERIAL = itertools.count()
+# The members of a group build their optimizers on it in the same order: the n-th one's keys are
+# the same on every member, and apart from every other optimizer's (of this group or another).
+_SERIAL: dict[tuple[int, ...], itertools.count] = collections.defaultdict(itertools.count)
 
 
 class WindowAgreement:
@@ -39,7 +40,8 @@ class WindowAgreement:
     def __init__(self, group: Any, timeout: timedelta | None = None) -> None:
         self.ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank()
-        self.prefix = f"gradaccel/agree/{next(_SERIAL)}/"
+        members = tuple(self.ranks)
+        self.prefix = f"gradaccel/agree/{'-'.join(map(str, members))}/{next(_SERIAL[members])}/"
         self.window = 0
         self._timeout = timeout
         self._posted = False

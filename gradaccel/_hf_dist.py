@@ -100,8 +100,9 @@ def check(acc: Any) -> None:
 
 def _ddp_kind(acc: Any) -> bool:
     """Whether accelerate would wrap a trained model in DDP (its ``prepare_model``'s test)."""
-    from accelerate.utils import DistributedType
-    return bool(getattr(acc, "multi_device", False)) or acc.distributed_type == DistributedType.MULTI_CPU
+    # MULTI_GPU, MULTI_CPU, MULTI_NPU, MULTI_XPU, ...: every accelerate release names DDP's kinds so.
+    kind = acc.distributed_type
+    return str(getattr(kind, "value", kind)).startswith("MULTI_")
 
 
 def group(acc: Any):
