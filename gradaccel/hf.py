@@ -213,12 +213,11 @@ def _patch_accelerator(acc, budget) -> None:
 
     def backward_(loss, **kwargs):
         backward(loss, **kwargs)
-        for opt in state.fused():
-            if not opt._sync.sharded:
-                opt._sync.count_backward()  # the ranks check at the window's end that they ran as many
         # What was differentiated (accelerate divides by its accumulation steps): summed over the
         # window it is the window's loss, as the "sum" gradient is the window's gradient.
         for opt in state.fused():
+            if not opt._sync.sharded:
+                opt._sync.count_backward()  # the ranks check at the window's end that they ran as many
             opt._add_loss(loss.detach() / acc.gradient_accumulation_steps)
 
     acc.prepare, acc.prepare_optimizer = prepare_, prepare_optimizer_
