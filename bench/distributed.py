@@ -20,11 +20,16 @@ output or a reduce-scatter's input, twice that for an all-reduce; ``grad_rel_err
 window's gradient as AdamW receives it against the single-process big-batch gradient (largest
 difference over the tensor's largest magnitude, worst tensor). 2 gloo ranks on CPU; 2 NCCL
 ranks where 2 GPUs are present.
+
+And a Hugging Face Trainer row (``trainer-…`` cases, where transformers is installed): stock DDP
+Trainer (``torch-ddp-trainer``) against ``gradaccel.hf.enable`` (``gradaccel-trainer``), same
+metrics but ``sent_bytes``; see ``bench/distributed_trainer.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import inspect
 import json
 import os
@@ -36,11 +41,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench import distributed_trainer
 from bench.common import progress, pyplot, row, save_figure, time_interleaved, tiny
 from bench.models import GPT, GPTConfig
 
 SUITE = "distributed"
-BASELINE = "torch-fsdp2"
+BASELINE = ["torch-fsdp2", "torch-ddp-trainer"]
 TABLE_METRICS = ["window_time", "grad_bytes", "sent_bytes", "grad_sent_bytes", "grad_rel_err"]
 VARIANTS = ("torch-fsdp2", "torch-fsdp2-nosync", "gradaccel-micro_batch", "gradaccel-window")
 WORLD = 2
@@ -183,9 +189,12 @@ def _case(rank: int, device: torch.device, cfg: GPTConfig, micro: int, accum: in
     return out
 
 
-def _worker(rank: int, port: int, cases: list, device_type: str, path: str) -> None:
+def _worker(rank: int, port: int, cases: list, trainer_cases: list, device_type: str, path: str) -> None:
     torch.set_num_threads(1)
     cuda = device_type == "cuda"
+    # What torchrun sets, so that accelerate (the Trainer row) sees these ranks as its processes.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -196,6 +205,11 @@ def _worker(rank: int, port: int, cases: list, device_type: str, path: str) -> N
         for name, cfg, micro, accum in cases:
             windows, reps = (2, 1) if tiny() else (3, 9)
             results[name] = _case(rank, device, cfg, micro, accum, windows, reps)
+            dist.barrier()
+        for name, cfg, micro, accum in trainer_cases:
+            with tempfile.TemporaryDirectory() as out:
+                windows = 2 if tiny() else 4
+                results[name] = distributed_trainer.case(rank, device, name, cfg, micro, accum, windows, out)
             dist.barrier()
     finally:
         if rank == 0:
@@ -211,13 +225,17 @@ def run(device: str, quick: bool) -> list[dict]:
     if device.startswith("cuda") and torch.cuda.device_count() < WORLD:
         raise RuntimeError(f"the distributed suite needs {WORLD} GPUs on CUDA; run it with --device cpu")
     cases = _configs(device, quick)
+    trainer_cases = []
+    if importlib.util.find_spec("transformers") and importlib.util.find_spec("accelerate"):
+        trainer_cases = distributed_trainer.configs(device, quick, tiny())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rank0.json")
-        progress(f"{len(cases)} case(s) on {WORLD} ranks: " + ", ".join(c[0] for c in cases))
-        ctx = mp.spawn(_worker, args=(port, cases, device, path), nprocs=WORLD, join=False)
+        progress(f"{len(cases) + len(trainer_cases)} case(s) on {WORLD} ranks: "
+                 + ", ".join(c[0] for c in cases + trainer_cases))
+        ctx = mp.spawn(_worker, args=(port, cases, trainer_cases, device, path), nprocs=WORLD, join=False)
         deadline = time.monotonic() + (300 if tiny() else 1800)
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:

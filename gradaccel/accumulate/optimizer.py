@@ -56,7 +56,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             ``param_groups`` then hold the masters (same order), and after each update every
             parameter equals its master rounded to the parameter's dtype.
         process_group: a ``torch.distributed`` group: the fp32 window buffer is all-reduced once
-            per window and averaged over ranks. Use on a plain (not DDP-wrapped) model.
+            per window and averaged over ranks. Use on a plain (not DDP-wrapped) model. Before
+            the sum the ranks check, through the process group's store, that they ended the
+            same window with as many micro-batches; ranks that diverged raise RuntimeError
+            (at once, or after the process group's timeout), never hang.
         sync: for an FSDP2 (``fully_shard``) model, whose parameters are DTensors: when FSDP2
             reduce-scatters. ``"micro_batch"`` (default): after every backward, folding the
             shard at once (least memory). ``"window"``: FSDP2 holds fp32 unsharded gradients for

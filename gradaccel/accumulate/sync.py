@@ -5,7 +5,9 @@ Two kinds, with one interface, chosen by :func:`window_sync` from the parameters
 - :class:`ReplicatedSync`, plain parameters: one process, or a replicated model with
   ``process_group=``, whose fp32 window buffer is all-reduced once per window, at its end.
   The fold hook fires before DistributedDataParallel's all-reduce would finish, so DDP itself
-  is refused (see ``gradaccel/accumulate/slots.py``) and the buffer is reduced here instead.
+  is refused (see ``gradaccel/accumulate/slots.py``) and the buffer is reduced here instead. Before the
+  all-reduce the ranks agree that they ended the same window alike (``gradaccel/accumulate/agree.py``):
+  ranks that diverged fail with the reason instead of hanging.
 - :class:`gradaccel.accumulate.sharded.ShardedWindow`, FSDP2 (``fully_shard``) DTensor parameters: FSDP2
   reduce-scatters, every micro-batch or once per window (``sync=``); see ``gradaccel/accumulate/sharded.py``.
 
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gradaccel.accumulate import sharded as _sharded
+from gradaccel.accumulate.agree import WindowAgreement
 from gradaccel.accumulate.window import WindowNorm
 
 
@@ -42,6 +45,10 @@ class ReplicatedSync:
         # Weakly: a process group still referenced at interpreter exit is torn down there, which
         # aborts gloo processes about half the time after destroy_process_group().
         self._group = None if process_group is None else weakref.ref(process_group)
+        self.agreement = None if process_group is None else WindowAgreement(process_group)
+        # Backward passes this window, where a framework's loop steps once per window
+        # (gradaccel.hf counts them); None: the optimizer's own micro-step count is the count.
+        self.backwards: int | None = None
 
     def process_group(self) -> Any:
         """The group the buffer is all-reduced over (None: one process, or it was destroyed)."""
@@ -58,7 +65,14 @@ class ReplicatedSync:
         """Nothing to check for new parameters."""
 
     def discard(self) -> None:
-        """Nothing is held outside the buffer."""
+        """Nothing is held outside the buffer; the window's backward count restarts."""
+        if self.backwards is not None:
+            self.backwards = 0
+
+    def count_backward(self) -> None:
+        """Counts a backward pass (a micro-batch) of a loop that steps once per window."""
+        if self.agreement is not None:  # only the ranks' check at the window's end reads it
+            self.backwards = (self.backwards or 0) + 1
 
     def reduce(self, flat: torch.Tensor, micro: int, accum_steps: int, norm: WindowNorm,
                touched: list[bool]) -> tuple[int, list[bool]]:
@@ -80,6 +94,10 @@ class ReplicatedSync:
             raise RuntimeError("FusedAccumOptimizer: its process_group was destroyed; "
                                "build a new optimizer for the new group")
         world = dist.get_world_size(group)
+        # Checked on every rank before the sum: diverged ranks fail with the reason, not a hang.
+        self.agreement.agree(accum_steps if self.backwards is None else self.backwards, flat.numel())
+        if self.backwards is not None:
+            self.backwards = 0
         # Items and "who got a gradient" travel in one small fp64 all-reduce: every rank must
         # hand the same parameters to the inner optimizer, or they would drift apart.
         meta = torch.tensor([0.0] + [float(t) for t in touched], dtype=torch.float64, device=flat.device)

@@ -20,6 +20,12 @@ gradaccel takes over three things underneath:
 - the checkpoint: Hugging Face gradient checkpointing, whoever turns it on (``TrainingArguments
   (gradient_checkpointing=True)``, SFTConfig's default, peft's ``prepare_model_for_kbit_training``,
   a later ``activation_checkpointing_enable()``), runs ``gradaccel.checkpoint`` at ``budget``.
+
+On several processes (``torchrun`` / ``accelerate launch``: accelerate's DDP, ``MULTI_GPU`` or
+``MULTI_CPU``) accelerate builds no ``DistributedDataParallel``: every rank starts from rank 0's
+weights, folds its micro-batches into its own fp32 buffer, and the buffer is all-reduced once per
+window, after the ranks agreed they ended the same window (``gradaccel/integrations/hf_dist.py`` says why, and
+what is refused: DeepSpeed, FSDP through accelerate).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gradaccel.integrations import hf_dist as _hf_dist
 from gradaccel.recompute import blocks
 from gradaccel.recompute.checkpoint import _check_budget
 from gradaccel.accumulate.optimizer import FusedAccumOptimizer
@@ -60,8 +67,13 @@ def enable(target: Any, budget: None | float | int = None) -> Any:
         TypeError: ``target`` is neither; the trainer already holds a ``FusedAccumOptimizer`` that
             accumulates by itself.
         ValueError: a set-up gradaccel cannot serve: fp16 with a gradient scaler, DeepSpeed,
-            FSDP, several processes, a bad ``budget``; or, at ``prepare``, an optimizer that
-            misses parameters the model trains (built before peft added its adapters).
+            FSDP through accelerate, a DDP communication hook, a bad ``budget`` (each message
+            names the route that works); or, at ``prepare``, an optimizer that misses
+            parameters the model trains (built before peft added its adapters), a model with
+            BatchNorm running statistics on several processes.
+        RuntimeError: during training on several processes, ranks that diverged (another
+            number of micro-batches in a window, a rank that raised or stopped): at the end of
+            the window, or after the process group's timeout, never a hang.
     """
     _check_budget(budget)
     accelerate = sys.modules.get("accelerate")
@@ -99,6 +111,20 @@ def _enable_trainer(trainer, budget) -> None:
             _patch_accelerator(trainer.accelerator, trainer._gradaccel_budget)
 
         trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
+    if "train" not in vars(trainer):
+        train = trainer.train
+
+        def train_(*args, **kwargs):
+            try:
+                return train(*args, **kwargs)
+            except BaseException as exc:  # several processes: the others stop with this message
+                state = getattr(trainer.accelerator, "_gradaccel", None)
+                if state is not None:
+                    state.abort(exc)
+                raise
+
+        train_.__doc__ = train.__doc__
+        trainer.train = train_
     trainer._gradaccel_budget = budget
 
 
@@ -130,32 +156,36 @@ class _State:
     def fused(self) -> list[FusedAccumOptimizer]:
         return [o for o in (r() for r in self.optimizers) if o is not None]
 
+    def abort(self, exc: BaseException) -> None:
+        """Tells the other ranks that this one stopped mid-window (they raise at once, not hang)."""
+        for opt in self.fused():
+            agreement = getattr(opt._sync, "agreement", None)
+            if agreement is not None:
+                agreement.abort(exc)
+
 
 def _patch_accelerator(acc, budget) -> None:
     state = getattr(acc, "_gradaccel", None)
     if state is not None:
         state.budget = budget
         return
-    from accelerate.utils import DistributedType
-
-    if acc.distributed_type != DistributedType.NO or acc.num_processes > 1:
-        raise ValueError(f"gradaccel.hf.enable: {acc.distributed_type} with {acc.num_processes} process(es) is not "
-                         "supported; gradaccel reduces gradients itself: use a plain model and "
-                         "FusedAccumOptimizer(..., process_group=...) (examples/ddp_accumulate.py)")
+    _hf_dist.check(acc)  # DeepSpeed, FSDP, ...: refused with the route that works
     if getattr(acc, "scaler", None) is not None:
         raise ValueError("gradaccel.hf.enable: mixed_precision='fp16' uses a gradient scaler that reads .grad, "
                          "which gradaccel frees; use bf16")
     state = acc._gradaccel = _State(budget)
+    group = _hf_dist.group(acc)  # several processes: the window buffer is summed over them
+    _hf_dist.patch_prepare_model(acc)  # ... and accelerate builds no DDP (see gradaccel/integrations/hf_dist.py)
     prepare, prepare_optimizer = acc.prepare, acc.prepare_optimizer
     clip_grad_norm_, backward = acc.clip_grad_norm_, acc.backward
 
     def prepare_optimizer_(optimizer, device_placement=None):
         if not getattr(optimizer, "_is_accelerate_prepared", False):
-            optimizer = _wrap(optimizer)
+            optimizer = _wrap(optimizer, group)
             state.optimizers.append(weakref.ref(optimizer))
         elif not isinstance(optimizer.optimizer, FusedAccumOptimizer):
             # Prepared before gradaccel was enabled (a Trainer trained once already): wrap inside.
-            optimizer.optimizer = _wrap(optimizer.optimizer)
+            optimizer.optimizer = _wrap(optimizer.optimizer, group)
             state.optimizers.append(weakref.ref(optimizer.optimizer))
         return prepare_optimizer(optimizer, device_placement=device_placement)
 
@@ -187,20 +217,25 @@ def _patch_accelerator(acc, budget) -> None:
         # What was differentiated (accelerate divides by its accumulation steps): summed over the
         # window it is the window's loss, as the "sum" gradient is the window's gradient.
         for opt in state.fused():
+            if not opt._sync.sharded:
+                opt._sync.count_backward()  # the ranks check at the window's end that they ran as many
             opt._add_loss(loss.detach() / acc.gradient_accumulation_steps)
 
     acc.prepare, acc.prepare_optimizer = prepare_, prepare_optimizer_
     acc.clip_grad_norm_, acc.clip_grad_value_, acc.backward = clip_grad_norm__, clip_grad_value__, backward_
 
 
-def _wrap(optimizer: torch.optim.Optimizer) -> FusedAccumOptimizer:
+def _wrap(optimizer: torch.optim.Optimizer, group=None) -> FusedAccumOptimizer:
     if isinstance(optimizer, FusedAccumOptimizer):
+        if group is not None and optimizer._sync.process_group() is None:
+            raise TypeError("gradaccel.hf: this FusedAccumOptimizer has no process_group while accelerate "
+                            "runs several processes; pass the plain optimizer and let gradaccel.hf.enable wrap it")
         if optimizer.accum_steps == 1 and optimizer.normalize == "sum":
             return optimizer
         raise TypeError("gradaccel.hf: this FusedAccumOptimizer accumulates by itself (accum_steps="
                         f"{optimizer.accum_steps}, normalize={optimizer.normalize!r}) while the framework "
                         "accumulates too; pass the plain optimizer and let gradaccel.hf.enable wrap it")
-    return FusedAccumOptimizer(optimizer, 1, normalize="sum")
+    return FusedAccumOptimizer(optimizer, 1, normalize="sum", process_group=group)
 
 
 def _check_covers(model: nn.Module, optimizer: FusedAccumOptimizer) -> None:

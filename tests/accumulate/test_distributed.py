@@ -82,7 +82,25 @@ def _ddp_rejected(rank):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-SCENARIOS = {"mean": _mean_mode, "items": _items_mode, "ddp": _ddp_rejected}
+def _diverged_accumulation(rank):
+    # Rank 1 accumulates 3 micro-batches, rank 0 2: both raise at their window's end, with the
+    # counts, before summing anything (no hang, no sum paired with another collective).
+    model = _model()
+    opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2 + rank, process_group=dist.group.WORLD)
+    before = [p.clone() for p in model.parameters()]
+    try:
+        for k in range(2 + rank):
+            x, y = _batch(4, k)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    except RuntimeError as e:
+        assert "different numbers of micro-batches in window 0 (rank 0: 2, rank 1: 3)" in str(e), str(e)
+    else:
+        raise AssertionError("ranks with different accum_steps were not stopped")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+SCENARIOS = {"mean": _mean_mode, "items": _items_mode, "ddp": _ddp_rejected, "diverged": _diverged_accumulation}
 
 
 @pytest.fixture(scope="module")
