@@ -31,7 +31,7 @@ one on every rank, which is DDP's ``find_unused_parameters`` result; those setti
 concern the reducer and are moot). What DDP's all-reduce overlapped with the last backward, the
 window's one all-reduce does after it, in fp32: ``bench/distributed.py`` measures both.
 
-What is refused, naming the route that works (``docs/hf-distributed.md``): DeepSpeed (its engine
+What is refused, naming the route that works (``docs/huggingface-distributed.md``): DeepSpeed (its engine
 owns and reduces the gradient every micro-batch); FSDP (accelerate shards the model and points
 the optimizer at the shards inside ``prepare``; gradaccel's FSDP2 path is
 ``FusedAccumOptimizer(sync="window", module=model)`` on a ``fully_shard``-ed model); a DDP
@@ -49,12 +49,12 @@ import torch.nn as nn
 
 FSDP_ROUTE = ("shard the model yourself (torch.distributed.fsdp.fully_shard, per block then the root) "
               "and wrap the optimizer in gradaccel.FusedAccumOptimizer(opt, accum_steps, "
-              "sync='window', module=model) in a plain PyTorch loop (docs/hf-distributed.md)")
+              "sync='window', module=model) in a plain PyTorch loop (docs/huggingface-distributed.md)")
 DEEPSPEED_ROUTE = ("its nearest equivalent with gradaccel is FSDP2 with reshard_after_forward=False "
                    "(ZeRO-2: parameters kept whole between forward and backward, gradients and "
                    "optimizer state sharded): fully_shard(block, reshard_after_forward=False) for each "
                    "block and the root, and gradaccel.FusedAccumOptimizer(opt, accum_steps, "
-                   "sync='window', module=model), in a plain PyTorch loop (docs/hf-distributed.md)")
+                   "sync='window', module=model), in a plain PyTorch loop (docs/huggingface-distributed.md)")
 
 
 def check(acc: Any) -> None:
