@@ -34,6 +34,8 @@ HEADLINE = [
      "gradaccel-b0.5"),
     ("FSDP2, 2 ranks: gradient bytes sent per window", "distributed", "grad_sent_bytes", "torch-fsdp2",
      "torch-fsdp2-nosync", "gradaccel-window"),
+    ("HF Trainer, 2 DDP ranks: gradient bytes held between micro-batches", "distributed", "grad_bytes",
+     "torch-ddp-trainer", None, "gradaccel-trainer"),
     ("fit: predicted step peak / measured", "fit", "peak_bytes", "gradaccel-measured", None,
      "gradaccel-predicted"),
 ]
