@@ -79,7 +79,10 @@ class Frame:
         return k
 
     def _as_traced(self, t: torch.Tensor, pack) -> bool:
-        """Whether ``t`` is the tensor the trace saw saved at this point."""
+        """Whether ``t`` is the tensor the trace saw saved at this point. A trace sized from
+        formulas also predicts its strides and offset: a call that strays from them diverges."""
+        if self.plan.graph.sized and (t.stride() != pack.stride or t.storage_offset() != pack.offset):
+            return False
         return _same_meta(t, pack)
 
     def _diverge(self, t: torch.Tensor):
