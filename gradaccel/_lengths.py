@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_unflatten
 
 from gradaccel import _split
 from gradaccel._cost import OpCost, price
+from gradaccel._roles import Source
 from gradaccel._trace import Graph, Recorder, Ref, Storage
 
 MAX_TEMPLATES = 4  # traces kept per structure (a structure that changes with the size has several)
@@ -123,12 +124,27 @@ class _SymbolicGraph(Graph):
 
 
 class _SymbolicRecorder(Recorder):
-    """The tracer, minus the ``prim`` ops that symbolic fake tensors dispatch for metadata."""
+    """The tracer, minus what only symbolic sizes dispatch: the ``prim`` ops that fake tensors
+    run for metadata, and full slices (``x[:, :, None]``), which indexing skips on real tensors
+    but cannot prove full on symbolic ones. Each is a no-op for replay."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if getattr(func, "namespace", "") == "prim":
             return func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.slice.Tensor:
+            out = func(*args, **(kwargs or {}))
+            if _same_geometry(out, args[0]):
+                return out
+            self.graph.record(func, args, kwargs or {}, out)
+            return out
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors have the same size, stride and offset formulas (no guard is added)."""
+    expr = lambda v: str(v.node.expr) if isinstance(v, torch.SymInt) else str(v)  # noqa: E731
+    return [expr(v) for v in (*a.shape, *a.stride(), a.storage_offset())] == \
+        [expr(v) for v in (*b.shape, *b.stride(), b.storage_offset())]
 
 
 @contextlib.contextmanager
@@ -280,40 +296,45 @@ class Formulas:
             return None
         return values
 
-    def matches(self, graph: Graph, geometry: dict) -> bool:
+    def matches(self, graph: Graph, geometry: dict, why: list | None = None) -> bool:
         """Whether the symbolic trace is ``graph`` op for op, and its formulas give ``graph``'s
-        numbers at ``graph``'s sizes: then they hold wherever the guards do."""
+        numbers at ``graph``'s sizes: then they hold wherever the guards do. ``why`` (a list)
+        gets the first difference."""
+        why = [] if why is None else why
         values = self._values(geometry)
         sym = self.sym
-        if values is None or len(sym.ops) != len(graph.ops) or len(sym.storages) != len(graph.storages) \
-                or sym.values != graph.values or len(sym.packs) != len(graph.packs) or sym.outputs != graph.outputs \
-                or sym.activations != graph.activations:
-            return False
-        for s, g, n in zip(sym.storages, graph.storages, self.nbytes):
-            if s.creator != g.creator or s.device != g.device or _at(n, values) != g.nbytes \
-                    or (s.external is None) != (g.external is None) \
-                    or (s.external is not None and (s.external.source != g.external.source
-                                                    or (s.external.source.value == "arg" and s.external.at != g.external.at))):
-                return False
-        for s, g, (leaves, flops, nbytes) in zip(sym.ops, graph.ops, self.ops):
-            if s.func != g.func or s.spec != g.spec or s.reads != g.reads or s.new_storages != g.new_storages \
-                    or s.replayable != g.replayable or s.random != g.random or len(s.leaves) != len(g.leaves) \
-                    or _at(flops, values) != g.flops or _at(nbytes, values) != g.nbytes:
-                return False
-            for x, y, n in zip(s.leaves, g.leaves, leaves):
+        if values is None:
+            return why.append("the formulas do not hold at the traced sizes") or False
+        if len(sym.ops) != len(graph.ops) or sym.values != graph.values or len(sym.packs) != len(graph.packs) \
+                or sym.outputs != graph.outputs or sym.activations != graph.activations:
+            return why.append("another graph") or False
+        for k, (s, g, n) in enumerate(zip(sym.storages, graph.storages, self.nbytes)):
+            ext = (s.external.source, s.external.at if s.external.source is Source.ARG else None) if s.external else None
+            if (s.creator, s.device, _at(n, values)) != (g.creator, g.device, g.nbytes) or ext != (
+                    (g.external.source, g.external.at if g.external.source is Source.ARG else None) if g.external else None):
+                return why.append(f"storage {k}") or False
+        for k, (s, g, (leaves, flops, nbytes)) in enumerate(zip(sym.ops, graph.ops, self.ops)):
+            if (s.func, s.spec, s.reads, s.new_storages, s.replayable, s.random, len(s.leaves)) != (
+                    g.func, g.spec, g.reads, g.new_storages, g.replayable, g.random, len(g.leaves)):
+                return why.append(f"op {k} {g.func}") or False
+            if (_at(flops, values), _at(nbytes, values)) != (g.flops, g.nbytes):
+                return why.append(f"op {k} {g.func}: flops/bytes {_at(flops, values)} {g.flops} {_at(nbytes, values)} {g.nbytes}") or False
+            for i, (x, y, n) in enumerate(zip(s.leaves, g.leaves, leaves)):
                 if isinstance(x, Ref) != isinstance(y, Ref):
-                    return False
+                    return why.append(f"op {k} {g.func} argument {i}") or False
                 if isinstance(x, Ref):
                     if (x.storage, x.value, x.dtype, x.device, x.meta_only) != (y.storage, y.value, y.dtype, y.device,
                                                                              y.meta_only) \
                             or _view_at(n, values) != (y.size, y.stride, y.offset):
-                        return False
+                        return why.append(f"op {k} {g.func} tensor {i}: {_view_at(n, values)} {y}") or False
                 elif not _same(_at(n, values), y):
-                    return False
-        for s, g, n in zip(sym.packs, graph.packs, self.packs):
-            if (s.storage, s.value, s.dtype, s.grad_fn) != (g.storage, g.value, g.dtype, g.grad_fn) \
+                    return why.append(f"op {k} {g.func} argument {i}: {_at(n, values)!r} {y!r}") or False
+        for k, (s, g, n) in enumerate(zip(sym.packs, graph.packs, self.packs)):
+            # An argument saved as it is has the caller's autograd node (the fake one has none).
+            made_inside = graph.storages[g.storage].creator >= 0
+            if (s.storage, s.value, s.dtype) != (g.storage, g.value, g.dtype) or made_inside and s.grad_fn != g.grad_fn \
                     or _view_at(n, values) != (g.size, g.stride, g.offset):
-                return False
+                return why.append(f"saved tensor {k}") or False
         return True
 
     def graph_at(self, flat: list) -> Graph | None:
