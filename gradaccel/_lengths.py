@@ -74,6 +74,7 @@ class Structure:
         self.traces = 0  # calls traced for this structure
         self.sized = 0  # calls planned from formulas, with no trace
         self.retrace: set = set()  # exact signatures to trace on their next call (a sized call strayed)
+        self.kind = None  # what callables of the same code and settings share (see module_kind)
 
     def add(self, graph: Graph, flat: list) -> None:
         self.traces += 1
@@ -86,7 +87,9 @@ class Structure:
         template holds at these sizes (the call is to be traced)."""
         for k, template in enumerate(self.templates):
             if template.formulas is None:
-                template.formulas = analyse(template, fn, flat, spec) or False
+                template.formulas = _shared(self.kind, template) or analyse(template, fn, flat, spec) or False
+                if template.formulas and self.kind is not None:
+                    _share(self.kind, template.formulas)
             if template.formulas:
                 graph = template.formulas.graph_at(flat)
                 if graph is not None:
@@ -103,6 +106,45 @@ def structures_of(shapes: dict, key) -> Structure:
     while len(shapes) > MAX_STRUCTURES:
         shapes.pop(next(iter(shapes)))
     return structure
+
+
+def module_kind(module: torch.nn.Module, plain) -> tuple:
+    """Modules of one kind run the same code on the same settings: each submodule's class, its
+    plain attributes except layer indices (``layer_idx``), its parameters' and buffers' shapes,
+    dtypes and trainability. The layers of a model are one kind, so one symbolic pass serves all
+    of them (each layer's own trace must still match the formulas op for op)."""
+    parts = []
+    for name, sub in module.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in sub.__dict__.items()
+                             if plain(v) and not k.endswith(("idx", "index"))))
+        params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in sub._parameters.items() if p is not None)
+        buffers = tuple((k, tuple(b.shape), b.dtype) for k, b in sub._buffers.items() if b is not None)
+        parts.append((name, type(sub), attrs, params, buffers))
+    return tuple(parts)
+
+
+MAX_KINDS = 64  # kinds whose formulas are kept for other callables of the kind
+
+
+def _shared(kind, template: Template):
+    """Formulas another callable of ``kind`` found, rebound to ``template`` if they match it."""
+    from gradaccel._state import STATE
+
+    for formulas in STATE.kinds.get(kind, ()) if kind is not None else ():
+        if formulas.matches(template.graph, template.geometry):
+            mine = copy.copy(formulas)
+            mine.template = template.graph
+            return mine
+    return None
+
+
+def _share(kind, formulas) -> None:
+    from gradaccel._state import STATE
+
+    found = STATE.kinds.pop(kind, [])
+    STATE.kinds[kind] = [formulas] + [f for f in found if f.sym is not formulas.sym][:MAX_TEMPLATES - 1]
+    while len(STATE.kinds) > MAX_KINDS:
+        STATE.kinds.pop(next(iter(STATE.kinds)))
 
 
 # -- the symbolic pass -------------------------------------------------------------------------

@@ -15,6 +15,7 @@ class State:
     def __init__(self):
         self.regions = weakref.WeakKeyDictionary()  # owner (module or function) -> {signature: _Region}
         self.shapes = weakref.WeakKeyDictionary()  # owner -> {structure key: _lengths.Structure}
+        self.kinds: dict = {}  # module kind -> size formulas that modules of that kind share
         self.in_order: list = []  # weak references to every region, in creation order (plan_rows)
         self.warned: set = set()  # tags of the warnings given once
         self.stores: dict = {}  # host_budget -> ActivationStore, shared by every region that offloads
@@ -25,6 +26,7 @@ class State:
         system (buffers still holding a live frame's tensors go when that frame's graph dies)."""
         self.regions.clear()
         self.shapes.clear()
+        self.kinds.clear()
         self.in_order.clear()
         self.warned.clear()
         for store in self.stores.values():

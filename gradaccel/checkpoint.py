@@ -358,7 +358,11 @@ def _structure(owner, func, flat, spec, budget, preserve_rng_state, options):
     except TypeError:  # not weak-referenceable: traced every call anyway
         return None
     key = _signature(func, flat, spec, budget, preserve_rng_state, owner, sized=False) + options
-    return _lengths.structures_of(shapes, key)
+    structure = _lengths.structures_of(shapes, key)
+    if structure.kind is None and isinstance(owner, torch.nn.Module):
+        # Layers of one model share size formulas: the key with the module's kind for its state.
+        structure.kind = (type(owner), key[:5], _lengths.module_kind(owner, _plain), key[6:])
+    return structure
 
 
 def _run_sized(region, regions, key, fn, args, kwargs, flat):
