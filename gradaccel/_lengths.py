@@ -207,7 +207,9 @@ def _isolated():
 
 
 def _symbolic_trace(template: Template, fn, flat: list, spec):
-    """Runs ``fn`` on fake tensors with symbolic sizes (hints: this call's) under the recorder.
+    """Runs ``fn`` on fake tensors with symbolic sizes under the recorder. The hints are the
+    template's sizes, so that the symbolic pass takes the template's path and its guards say
+    where that path holds (``flat``: this call's arguments, of the same structure).
     Returns (graph, shape_env, {symbol: (kind, flat index, dim)}, argument checks)."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -220,8 +222,9 @@ def _symbolic_trace(template: Template, fn, flat: list, spec):
         if not isinstance(x, torch.Tensor):
             fake.append(x)
             continue
-        # A fresh tensor of the same geometry (not a view of something bigger, offset 0).
-        plain = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+        # A fresh tensor of the template's geometry (not a view of something bigger, offset 0).
+        shape, stride = template.geometry[i]
+        plain = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device)
         f = mode.from_tensor(plain, source=ConstantSource(f"gradaccel_arg{i}"),
                              symbolic_context=StatelessSymbolicContext([DimDynamic.DYNAMIC] * x.dim()))
         if x.requires_grad:
