@@ -12,6 +12,7 @@ import torch
 import torch.utils.checkpoint as _tc
 from torch.utils._pytree import tree_flatten
 
+from gradaccel._lengths import strays
 from gradaccel._plan import Plan, _view, make_plan, rebuildable
 from gradaccel._roles import Source
 from gradaccel._state import STATE
@@ -81,7 +82,7 @@ class Frame:
     def _as_traced(self, t: torch.Tensor, pack) -> bool:
         """Whether ``t`` is the tensor the trace saw saved at this point. A trace sized from
         formulas also predicts its strides and offset: a call that strays from them diverges."""
-        if self.plan.graph.sized and (t.stride() != pack.stride or t.storage_offset() != pack.offset):
+        if self.plan.graph.sized and strays(t, pack):
             return False
         return _same_meta(t, pack)
 

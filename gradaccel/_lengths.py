@@ -34,9 +34,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_unflatten
 
 from gradaccel import _split
-from gradaccel._cost import OpCost, price
+from gradaccel._cost import FLOPS_PER_BYTE, OpCost, price
 from gradaccel._roles import Source
-from gradaccel._trace import Graph, Recorder, Ref, Storage
+from gradaccel._trace import Graph, Op, Pack, Recorder, Ref, Storage
 
 MAX_TEMPLATES = 4  # traces kept per structure (a structure that changes with the size has several)
 MAX_STRUCTURES = 16  # structures kept per callable; the least recently used goes first
@@ -49,11 +49,16 @@ def in_fake_pass() -> bool:
     return bool(_FAKE_PASS)
 
 
-def tensor_key(x: torch.Tensor) -> tuple:
-    """What a structure keeps of a tensor's geometry: its rank, which sizes and strides are 0 or 1
-    (torch's symbolic shapes specialise those) and its storage offset."""
-    return (x.dim(), tuple(d if d < 2 else -1 for d in x.shape), tuple(s if s < 2 else -1 for s in x.stride()),
-            x.storage_offset())
+def without_sizes(part):
+    """One part of a plan's key (gradaccel/checkpoint.py ``_signature``) as a structure keeps it:
+    of a tensor's geometry, its rank, which sizes and strides are 0 or 1 (torch's symbolic shapes
+    specialise those) and its storage offset. Other parts stay as they are."""
+    if type(part) is tuple and len(part) == 5 and type(part[0]) is tuple and len(part[0]) == 3 \
+            and type(part[0][0]) is torch.Size:
+        shape, stride, offset = part[0]
+        return ((len(shape), tuple(d if d < 2 else -1 for d in shape), tuple(s if s < 2 else -1 for s in stride),
+                 offset),) + part[1:]
+    return part
 
 
 @dataclasses.dataclass
@@ -299,6 +304,7 @@ class Formulas:
         body = ", ".join(printer.doprint(e) for e in self._exprs)
         self._fn = eval(f"lambda {names}: ({body},)", {"torch": torch, "math": math})  # noqa: S307 (our own printed formulas)
         self.template: Graph | None = None  # the traced graph these formulas resize (set once they match it)
+        self._balance = None  # op -> bytes' price in FLOPs, under the "flops" cost model
 
     def _add(self, expr) -> int:
         k = self._index.get(expr)
@@ -370,7 +376,7 @@ class Formulas:
                 if isinstance(x, Ref):
                     if (x.storage, x.value, x.dtype, x.device, x.meta_only) != (y.storage, y.value, y.dtype, y.device,
                                                                              y.meta_only) \
-                            or _view_at(n, values) != (y.size, y.stride, y.offset):
+                            or not _same_view(_view_at(n, values), (y.size, y.stride, y.offset)):
                         return why.append(f"op {k} {g.func} tensor {i}: {_view_at(n, values)} {y}") or False
                 elif not _same(_at(n, values), y):
                     return why.append(f"op {k} {g.func} argument {i}: {_at(n, values)!r} {y!r}") or False
@@ -378,7 +384,7 @@ class Formulas:
             # An argument saved as it is has the caller's autograd node (the fake one has none).
             made_inside = graph.storages[g.storage].creator >= 0
             if (s.storage, s.value, s.dtype) != (g.storage, g.value, g.dtype) or made_inside and s.grad_fn != g.grad_fn \
-                    or _view_at(n, values) != (g.size, g.stride, g.offset):
+                    or not _same_view(_view_at(n, values), (g.size, g.stride, g.offset)):
                 return why.append(f"saved tensor {k}") or False
         return True
 
@@ -395,21 +401,56 @@ class Formulas:
         g.storages = [s if isinstance(n, tuple) else Storage(_at(n, values), s.device, s.creator, s.external, s.versions)
                       for s, n in zip(t.storages, self.nbytes)]
         ops = list(t.ops)
+        flops_model = isinstance(t.cost, str) and t.cost == "flops"
+        if self._balance is None:
+            self._balance = {k: FLOPS_PER_BYTE["cpu" if self._device(k).type == "cpu" else "cuda"]
+                             for k in self.symbolic_ops}
         for k in self.symbolic_ops:
             op = ops[k]
-            leaves_n, flops_n, nbytes_n = self.ops[k]
-            leaves = [x if isinstance(n, tuple) and n and n[0] == "c" else
-                      (dataclasses.replace(x, **dict(zip(("size", "stride", "offset"), _view_at(n, values))))
-                       if isinstance(x, Ref) else _at(n, values)) for x, n in zip(op.leaves, leaves_n)]
+            _, flops_n, nbytes_n = self.ops[k]
+            sized = object.__new__(_SizedOp)
+            fields = sized.__dict__
+            fields.update(op.__dict__)
+            del fields["leaves"]
             flops, nbytes = _at(flops_n, values), _at(nbytes_n, values)
-            device = next((r.device for r in leaves if isinstance(r, Ref)), torch.device("cpu"))
-            ops[k] = dataclasses.replace(op, leaves=leaves, flops=flops, nbytes=nbytes,
-                                         cost=price(t.cost, OpCost(str(op.func), flops, nbytes, device), None))
+            fields["flops"], fields["nbytes"], fields["resize"] = flops, nbytes, (self, k, values)
+            fields["cost"] = flops + self._balance[k] * nbytes if flops_model else \
+                price(t.cost, OpCost(str(op.func), flops, nbytes, self._device(k)), None)
+            ops[k] = sized
         g.ops = ops
-        g.packs = [dataclasses.replace(p, **dict(zip(("size", "stride", "offset"), _view_at(n, values))))
-                   for p, n in zip(t.packs, self.packs)]
+        packs = []
+        for p, n in zip(t.packs, self.packs):  # Pack is frozen: filled in place, as its __init__ would
+            q = object.__new__(Pack)
+            q.__dict__.update(p.__dict__)
+            size, stride, offset = _view_at(n, values)
+            q.__dict__.update(size=size, stride=stride, offset=offset)
+            packs.append(q)
+        g.packs = packs
         g.activation_bytes = sum(g.storages[s].nbytes for s in g.activations)
         return g
+
+    def _device(self, k: int) -> torch.device:
+        """The device an op is priced on (as the recorder prices it: its first tensor's)."""
+        return next((r.device for r in self.template.ops[k].leaves if isinstance(r, Ref)), torch.device("cpu"))
+
+    def leaves_at(self, k: int, values) -> list:
+        """Op ``k``'s arguments at the sizes ``values``."""
+        return [x if isinstance(n, tuple) and n and n[0] == "c" else
+                (Ref(x.storage, x.value, *_view_at(n, values), x.dtype, x.device, x.meta_only)
+                 if isinstance(x, Ref) else _at(n, values)) for x, n in zip(self.template.ops[k].leaves, self.ops[k][0])]
+
+
+class _SizedOp(Op):
+    """An op of a trace sized from formulas. Its arguments are sized when first read, by replay
+    (most ops are never replayed): planning reads only costs and dependencies."""
+
+    @property
+    def leaves(self) -> list:
+        found = self.__dict__.get("_leaves")
+        if found is None:
+            formulas, k, values = self.resize
+            found = self.__dict__["_leaves"] = formulas.leaves_at(k, values)
+        return found
 
 
 def _constant(n) -> bool:
@@ -419,6 +460,17 @@ def _constant(n) -> bool:
     if isinstance(n, tuple) and len(n) == 2 and n[0] == "c":
         return True
     return all(_constant(m) for m in n)
+
+
+def _same_view(a: tuple, b: tuple) -> bool:
+    """Two (size, stride, offset) that address the same elements: a dim of size 1 has any stride."""
+    return a[0] == b[0] and a[2] == b[2] and all(x == y or d == 1 for x, y, d in zip(a[1], b[1], a[0]))
+
+
+def strays(t: torch.Tensor, pack) -> bool:
+    """Whether a saved tensor's strides or offset differ from what a sized trace predicted."""
+    return t.storage_offset() != pack.offset or not _same_view((tuple(t.shape), t.stride(), 0),
+                                                               (pack.size, pack.stride, 0))
 
 
 def _at(n, values):

@@ -204,7 +204,7 @@ def _closure_state(fn: types.FunctionType) -> tuple:
     return tuple(state)
 
 
-def _signature(func, flat, spec, budget, preserve, owner, sized=True) -> tuple:
+def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
     # type(budget): 1 (one byte) and 1.0 (everything) are equal, and hash alike, in Python.
     parts = [func, spec, type(budget), budget, preserve]
     if isinstance(owner, torch.nn.Module):
@@ -217,8 +217,8 @@ def _signature(func, flat, spec, budget, preserve, owner, sized=True) -> tuple:
             # Replay reads an argument's storage with the traced strides and offset, and two
             # arguments that shared a storage in the trace are one storage there.
             alias = storages.setdefault(storage_key(x), len(storages))
-            geometry = (x.shape, x.stride(), x.storage_offset()) if sized else _lengths.tensor_key(x)
-            parts.append((geometry, alias, x.dtype, x.device, x.requires_grad))
+            # Geometry in a tuple of its own: a structure's key leaves it out (_lengths.without_sizes).
+            parts.append(((x.shape, x.stride(), x.storage_offset()), alias, x.dtype, x.device, x.requires_grad))
         elif _plain(x):
             parts.append((type(x), x))
         elif isinstance(x, torch.nn.Module):
@@ -336,7 +336,7 @@ def _checkpoint(function, args, kwargs, budget, preserve_rng_state=True, use_ree
         if region.plan.externals_alive():
             return _run_planned(region, regions, key, fn, args, kwargs, flat)
     store = store_for(host_budget) if offload else None
-    structure = _structure(owner, func, flat, spec, budget, preserve_rng_state, (offload, host_budget, cost))
+    structure = _structure(owner, key, cost)
     if structure is not None and region is None and key not in structure.retrace and structure.templates:
         # A new size of a structure seen before: its plan comes from formulas, with no trace.
         graph = structure.sized_graph(fn, flat, spec)
@@ -348,16 +348,16 @@ def _checkpoint(function, args, kwargs, budget, preserve_rng_state=True, use_ree
     return _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store, cost, structure)
 
 
-def _structure(owner, func, flat, spec, budget, preserve_rng_state, options):
+def _structure(owner, exact_key, cost):
     """The :class:`gradaccel._lengths.Structure` of this call: its signature without sizes.
     None where plans are not shared across sizes (a tensor's method; costs measured per call)."""
-    if isinstance(owner, torch.Tensor) or options[-1] == "measured":
+    if isinstance(owner, torch.Tensor) or isinstance(cost, str) and cost == "measured":
         return None
     try:
         shapes = STATE.shapes.setdefault(owner, {})
     except TypeError:  # not weak-referenceable: traced every call anyway
         return None
-    key = _signature(func, flat, spec, budget, preserve_rng_state, owner, sized=False) + options
+    key = tuple(_lengths.without_sizes(p) for p in exact_key)
     structure = _lengths.structures_of(shapes, key)
     if structure.kind is None and isinstance(owner, torch.nn.Module):
         # Layers of one model share size formulas: the key with the module's kind for its state.
