@@ -22,7 +22,9 @@ step; 1.00x means a new length costs nothing extra). Each length is run by every
 turn (first call, then the planned call), so drifts in machine speed hit all alike. Then, on a
 few more new lengths, under counters: ``peak_bytes`` (the most live tensor bytes in a step,
 gradaccel.memory.LiveBytes) and ``recompute_flops`` (the step's backward FLOPs less
-no checkpointing's, torch's FlopCounterMode), on the first call at each length.
+no checkpointing's, torch's FlopCounterMode), on the first call at each length (for
+``gradaccel-memory``, the second: its first call at a length profiles the model on fake tensors,
+whose bytes LiveBytes would count).
 """
 
 import copy
@@ -44,8 +46,8 @@ VARIANTS = ["torch-nockpt", "torch-hf-ckpt", "gradaccel-budget0.5", "gradaccel-m
 def _config(quick):
     """(hidden, intermediate, layers, heads, vocab, max length, steps, warm-up, counted lengths)."""
     if tiny():
-        return dict(hidden=64, inter=128, layers=2, heads=2, vocab=128, max_len=48, steps=3, warmup=1, counted=1)
-    return dict(hidden=256, inter=688, layers=4, heads=4, vocab=2048, max_len=512, steps=20 if quick else 40,
+        return dict(hidden=64, inter=128, layers=2, heads=2, vocab=128, max_len=48, steps=2, warmup=1, counted=1)
+    return dict(hidden=256, inter=688, layers=4, heads=4, vocab=2048, max_len=512, steps=40,
                 warmup=4, counted=3)
 
 
@@ -86,9 +88,10 @@ class _Variant:
         self.model = copy.deepcopy(base)
         opt = torch.optim.SGD(self.model.parameters(), lr=0.0)
         if name == "torch-hf-ckpt":
-            enable = getattr(self.model, "activation_checkpointing_enable", None) or \
-                self.model.gradient_checkpointing_enable
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers 5 renamed it
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif name == "gradaccel-budget0.5":
             gradaccel.checkpoint_blocks(self.model, budget=0.5)
         elif name == "gradaccel-memory":
@@ -163,6 +166,8 @@ def _case(c, batch, device, rows, fails):
         inputs = _batch(c, t, batch, rng, device)
         plain = None
         for name, v in variants.items():
+            if name == "gradaccel-memory":  # its first call profiles on fake tensors, which LiveBytes would count
+                v.step(inputs)
             peak, f = _peak_and_flops(v, inputs)
             if name == "torch-nockpt":
                 plain = f
