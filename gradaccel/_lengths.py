@@ -40,6 +40,7 @@ from gradaccel._trace import Graph, Op, Pack, Recorder, Ref, Storage
 
 MAX_TEMPLATES = 4  # traces kept per structure (a structure that changes with the size has several)
 MAX_STRUCTURES = 16  # structures kept per callable; the least recently used goes first
+MAX_RETRACE = 64  # signatures of a structure waiting to be traced again
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 _FAKE_PASS = []  # non-empty while a region's Python runs on symbolic fake tensors
 
@@ -86,6 +87,13 @@ class Structure:
         geometry = {i: (tuple(x.shape), tuple(x.stride())) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
         self.templates.insert(0, Template(graph, geometry))
         del self.templates[MAX_TEMPLATES:]
+
+    def strayed(self, key) -> None:
+        """A call sized from formulas saved other tensors than predicted: its exact signature is
+        traced on its next call (a bounded set: one forgotten is merely sized, and strays, again)."""
+        if len(self.retrace) >= MAX_RETRACE:
+            self.retrace.pop()
+        self.retrace.add(key)
 
     def sized_graph(self, fn, flat: list, spec) -> Graph | None:
         """The trace at the sizes of ``flat``, from a template's formulas; None where no

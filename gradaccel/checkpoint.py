@@ -386,7 +386,7 @@ def _run_planned(region, regions, key, fn, args, kwargs, flat):
         _retire(regions.pop(key, None))
         structure = getattr(region, "structure", None)
         if structure is not None:  # sized from formulas that did not hold: trace this size next time
-            structure.retrace.add(key)
+            structure.strayed(key)
         _warn_once(("diverged", region.name),
                    f"gradaccel.checkpoint: {region.name} saved different tensors than when it was traced for "
                    "the same input signature; it is traced again on its next call. Make the region's behaviour "

@@ -218,3 +218,20 @@ def test_thousand_lengths_keep_state_flat():
     assert len(STATE.in_order) <= MAX_PLANS + 1 and len(STATE.kinds) == 1
     assert len(STATE.shapes[net][next(iter(STATE.shapes[net]))].templates) <= _lengths.MAX_TEMPLATES
     assert counts[1] - counts[0] < 500  # host objects flat: plans per length are dropped, not kept
+
+
+def _cheap_cost(op):
+    """A cost callable: FLOPs plus bytes, and host copies priced as free (so offload is used)."""
+    return 0.0 if op.name == "gradaccel.offload" else float(op.flops + op.bytes)
+
+
+@pytest.mark.parametrize("options", [dict(offload=True, cost=_cheap_cost), dict(cost=_cheap_cost)])
+def test_offload_and_cost_callable_across_lengths(options):
+    torch.manual_seed(0)
+    block = Block(GPTConfig(seq_len=128, n_embd=64, n_head=4, dropout=0.1))
+    fn = lambda t: gradaccel.checkpoint(block, t, budget=0.2, **options)  # noqa: E731
+    for seed, T in enumerate([24, 9, 40, 17]):
+        check_length(fn, block, [torch.randn(2, T, 64, requires_grad=True)], 0.2, seed, block)
+    assert traces(block) == [1]
+    if options.get("offload"):  # the sized plans offload too, each by its own length's bytes
+        assert all(r["offloaded_bytes"] > 0 for r in plan_rows())
