@@ -81,6 +81,7 @@ class Structure:
         self.sized = 0  # calls planned from formulas, with no trace
         self.retrace: set = set()  # exact signatures to trace on their next call (a sized call strayed)
         self.kind = None  # what callables of the same code and settings share (see module_kind)
+        self.passes = 0  # symbolic passes run for it (each costs about a forward's Python, on fake tensors)
 
     def add(self, graph: Graph, flat: list) -> None:
         self.traces += 1
@@ -100,7 +101,11 @@ class Structure:
         template holds at these sizes (the call is to be traced)."""
         for k, template in enumerate(self.templates):
             if template.formulas is None:
-                template.formulas = _shared(self.kind, template) or analyse(template, fn, flat, spec) or False
+                template.formulas = _shared(self.kind, template)
+                if template.formulas is None and self.passes < MAX_TEMPLATES:  # not one pass per length
+                    self.passes += 1
+                    template.formulas = analyse(template, fn, flat, spec)
+                template.formulas = template.formulas or False
                 if template.formulas and self.kind is not None:
                     _share(self.kind, template.formulas)
             if template.formulas:

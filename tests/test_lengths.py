@@ -2,6 +2,7 @@
 formulas (gradaccel/_lengths.py), checked against no checkpointing at each length."""
 
 import copy
+import math
 import gc
 import warnings
 
@@ -235,3 +236,28 @@ def test_offload_and_cost_callable_across_lengths(options):
     assert traces(block) == [1]
     if options.get("offload"):  # the sized plans offload too, each by its own length's bytes
         assert all(r["offloaded_bytes"] > 0 for r in plan_rows())
+
+
+class _Pinned(nn.Module):
+    """Scales by a Python float computed from the length: each length is its own path."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h * (1.0 / math.sqrt(x.shape[1]))).sin() * h
+
+
+def test_size_pinned_by_python_arithmetic_is_traced_per_length_and_warned_about():
+    m = _Pinned()
+    fn = lambda t: gradaccel.checkpoint(m, t, budget=0.5)  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed, T in enumerate(range(3, 3 + 4 * _lengths.MAX_TEMPLATES + 2)):
+            check_length(fn, m, [torch.randn(2, T, 8, requires_grad=True)], 0.5, seed, m)
+    (structure,) = STATE.shapes[m].values()
+    assert structure.traces == 4 * _lengths.MAX_TEMPLATES + 2 and structure.sized == 0
+    assert structure.passes == _lengths.MAX_TEMPLATES  # not one symbolic pass per length
+    assert sum("for one structure" in str(w.message) for w in caught) == 1
