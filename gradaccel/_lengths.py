@@ -279,6 +279,7 @@ def analyse(template: Template, fn, flat: list, spec):
         return None
     try:
         sym_graph, env, sources, checks = _symbolic_trace(template, fn, flat, spec)
+        sym_graph.take_externals()  # the fake parameters: nothing needs them past the pass
         formulas = Formulas(sym_graph, env, sources, checks)
     except Exception:  # a data-dependent read, an op without a meta kernel, a printer gap: trace per size
         return None
