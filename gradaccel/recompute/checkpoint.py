@@ -32,6 +32,7 @@ import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
+from gradaccel.recompute import lengths as _lengths
 from gradaccel.recompute.cost import OpCost, check_cost
 from gradaccel.recompute.frames import Frame, OffloadFrame, TraceFrame, store_for
 from gradaccel.recompute.plan import Plan, capture_rng, copy_device, make_plan, offload_cost_per_byte, rng_state_bytes
@@ -216,7 +217,8 @@ def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
             # Replay reads an argument's storage with the traced strides and offset, and two
             # arguments that shared a storage in the trace are one storage there.
             alias = storages.setdefault(storage_key(x), len(storages))
-            parts.append((x.shape, x.stride(), x.storage_offset(), alias, x.dtype, x.device, x.requires_grad))
+            # Geometry in a tuple of its own: a structure's key leaves it out (_lengths.without_sizes).
+            parts.append(((x.shape, x.stride(), x.storage_offset()), alias, x.dtype, x.device, x.requires_grad))
         elif _plain(x):
             parts.append((type(x), x))
         elif isinstance(x, torch.nn.Module):
@@ -297,6 +299,8 @@ def _checkpoint(function, args, kwargs, budget, preserve_rng_state=True, use_ree
     blocks): a small int budget chosen by ``memory=`` is not warned about as if the user wrote it."""
     budget = _check_budget(budget, warn=False)
     cost = check_cost(cost)
+    if _lengths.in_fake_pass():  # the region around it runs on symbolic fake tensors: no plans here
+        return function(*args, **kwargs)
     if not isinstance(offload, bool):
         raise ValueError(f"offload must be True or False, got {offload!r}")
     if host_budget is not None and (isinstance(host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0):
@@ -331,8 +335,44 @@ def _checkpoint(function, args, kwargs, budget, preserve_rng_state=True, use_ree
             return _run_dynamic(region, fn, args, kwargs, preserve_rng_state)
         if region.plan.externals_alive():
             return _run_planned(region, regions, key, fn, args, kwargs, flat)
-    return _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state,
-                       store_for(host_budget) if offload else None, cost)
+    store = store_for(host_budget) if offload else None
+    structure = _structure(owner, key, cost)
+    if structure is not None and region is None and key not in structure.retrace and structure.templates:
+        # A new size of a structure seen before: its plan comes from formulas, with no trace.
+        graph = structure.sized_graph(fn, flat, spec)
+        if graph is not None:
+            region = _Region(_name(fn), graph, budget, flat, store)
+            region.structure = structure
+            if region.plan.externals_alive():
+                return _run_sized(region, regions, key, fn, args, kwargs, flat)
+    return _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store, cost, structure)
+
+
+def _structure(owner, exact_key, cost):
+    """The :class:`gradaccel.recompute.lengths.Structure` of this call: its signature without sizes.
+    None where plans are not shared across sizes (a tensor's method; costs measured per call)."""
+    if isinstance(owner, torch.Tensor) or isinstance(cost, str) and cost == "measured":
+        return None
+    try:
+        shapes = STATE.shapes.setdefault(owner, {})
+    except TypeError:  # not weak-referenceable: traced every call anyway
+        return None
+    key = tuple(_lengths.without_sizes(p) for p in exact_key)
+    structure = _lengths.structures_of(shapes, key)
+    if structure.kind is None and isinstance(owner, torch.nn.Module):
+        # Layers of one model share size formulas: the key with the module's kind for its state.
+        structure.kind = (type(owner), key[:5], _lengths.module_kind(owner, _plain), key[6:])
+    return structure
+
+
+def _run_sized(region, regions, key, fn, args, kwargs, flat):
+    """A call at a new size of a known structure, planned from formulas (gradaccel/recompute/lengths.py)."""
+    region.sized = True
+    regions[key] = region
+    while len(regions) > MAX_PLANS:  # plans per size are cheap to make again: drop the oldest
+        _retire(regions.pop(next(iter(regions))))
+    STATE.in_order[:] = [r for r in STATE.in_order if r() is not None] + [weakref.ref(region)]
+    return _run_planned(region, regions, key, fn, args, kwargs, flat)
 
 
 def _run_planned(region, regions, key, fn, args, kwargs, flat):
@@ -344,6 +384,9 @@ def _run_planned(region, regions, key, fn, args, kwargs, flat):
         out = fn(*args, **kwargs)
     if not frame.finish(out):
         _retire(regions.pop(key, None))
+        structure = getattr(region, "structure", None)
+        if structure is not None:  # sized from formulas that did not hold: trace this size next time
+            structure.strayed(key)
         _warn_once(("diverged", region.name),
                    f"gradaccel.checkpoint: {region.name} saved different tensors than when it was traced for "
                    "the same input signature; it is traced again on its next call. Make the region's behaviour "
@@ -351,7 +394,7 @@ def _run_planned(region, regions, key, fn, args, kwargs, flat):
     return out
 
 
-def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store, cost):
+def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store, cost, structure=None):
     graph = Graph(flat, preserve_rng_state, cost)
     devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
     rng = capture_rng(devices) if preserve_rng_state else None
@@ -373,13 +416,23 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
                    f"{_describe(graph.dynamic_reason)}, which depends on tensor values, so a trace of it cannot "
                    "be replayed. Move that op out of the checkpointed region to get a selective plan.")
     regions[key] = region
+    if structure is not None and not graph.dynamic:
+        structure.retrace.discard(key)
+        structure.add(graph, flat)
+        if structure.traces > _lengths.MAX_TEMPLATES * 4:
+            _warn_once(("restructured", name),
+                       f"gradaccel.checkpoint: {name} was traced {structure.traces} times for one structure (the "
+                       "same ops at other sizes), and each trace runs as a full recompute: the region's path "
+                       "depends on its input sizes in a way its size formulas cannot follow (a branch on the "
+                       "length, a number computed from a size and passed as a float, an op with no symbolic "
+                       "shape support). Pad to a few lengths, or move that code out of the region.")
     if len(regions) > MAX_PLANS:  # a key that moves every call must not grow the cache without end
         _retire(regions.pop(next(iter(regions))))
-        _warn_once(("retraced", name),
-                   f"gradaccel.checkpoint: {name} was traced for more than {MAX_PLANS} signatures, and each new "
-                   "one runs as a full recompute. Either it sees many input shapes (pad to a few lengths), or "
-                   "something it reads changes on every call (a new tensor it closes over, a counter attribute, "
-                   "a NaN): pass such tensors as arguments.")
+        if sum(not getattr(r, "sized", False) for r in regions.values()) >= MAX_PLANS:
+            _warn_once(("retraced", name),
+                       f"gradaccel.checkpoint: {name} was traced for more than {MAX_PLANS} signatures, and each "
+                       "new one runs as a full recompute: something it reads changes on every call (a new tensor "
+                       "it closes over, a counter attribute, a NaN): pass such tensors as arguments.")
     STATE.in_order[:] = [r for r in STATE.in_order if r() is not None] + [weakref.ref(region)]
     return out
 

@@ -12,6 +12,7 @@ import torch
 import torch.utils.checkpoint as _tc
 from torch.utils._pytree import tree_flatten
 
+from gradaccel.recompute.lengths import strays
 from gradaccel.recompute.plan import Plan, _view, make_plan, rebuildable
 from gradaccel.recompute.roles import Source
 from gradaccel.recompute.state import STATE
@@ -79,7 +80,10 @@ class Frame:
         return k
 
     def _as_traced(self, t: torch.Tensor, pack) -> bool:
-        """Whether ``t`` is the tensor the trace saw saved at this point."""
+        """Whether ``t`` is the tensor the trace saw saved at this point. A trace sized from
+        formulas also predicts its strides and offset: a call that strays from them diverges."""
+        if self.plan.graph.sized and strays(t, pack):
+            return False
         return _same_meta(t, pack)
 
     def _diverge(self, t: torch.Tensor):

@@ -14,6 +14,8 @@ class State:
 
     def __init__(self):
         self.regions = weakref.WeakKeyDictionary()  # owner (module or function) -> {signature: _Region}
+        self.shapes = weakref.WeakKeyDictionary()  # owner -> {structure key: _lengths.Structure}
+        self.kinds: dict = {}  # module kind -> size formulas that modules of that kind share
         self.in_order: list = []  # weak references to every region, in creation order (plan_rows)
         self.warned: set = set()  # tags of the warnings given once
         self.stores: dict = {}  # host_budget -> ActivationStore, shared by every region that offloads
@@ -23,6 +25,8 @@ class State:
         """Forgets every plan and warning, and gives the stores' idle host buffers back to the
         system (buffers still holding a live frame's tensors go when that frame's graph dies)."""
         self.regions.clear()
+        self.shapes.clear()
+        self.kinds.clear()
         self.in_order.clear()
         self.warned.clear()
         for store in self.stores.values():

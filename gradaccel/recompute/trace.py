@@ -97,6 +97,7 @@ class Op:
     random: bool
     priced: str = "formula"  # how `flops` was found: "formula", "measured" or "bound"
     module: str = ""  # the submodule of the region that ran it ("mlp.gate_proj"), for reports
+    nbytes: int = 0  # bytes it reads and writes (its cost's other term): re-priced at other sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +121,7 @@ class Graph:
     """The trace of one region. See the module docstring."""
 
     RNG = 0  # storage id of the pseudo-storage random ops read and write (the generator state)
+    sized = False  # True for a trace resized from formulas (gradaccel/recompute/lengths.py), not recorded
 
     def __init__(self, flat_args: list, preserve_rng_state: bool, cost="flops"):
         self.cost = cost  # the cost model ops are priced with (see gradaccel.checkpoint)
@@ -233,7 +235,7 @@ class Graph:
         device = next((r.device for r in refs if isinstance(r, Ref)), torch.device("cpu"))
         cost = price(self.cost, OpCost(str(func), flops, nbytes, device), seconds)
         self.ops.append(Op(func, spec, refs, reads, new_storages, flops, cost, replayable, random, priced,
-                           self._where()))
+                           self._where(), nbytes))
 
     def _where(self) -> str:
         """The name in the region of the innermost running submodule that has one ("" outside any)."""
@@ -345,7 +347,7 @@ def _flops(func, args, kwargs, out, seconds=None) -> tuple[int, str]:
     packet = func.overloadpacket
     if packet in flop_registry:
         try:
-            return int(flop_registry[packet](*args, **kwargs, out_val=out)), "formula"
+            return _whole(flop_registry[packet](*args, **kwargs, out_val=out)), "formula"
         except Exception:  # an overload the counter does not know must not break the forward
             return _flops_bound(args, kwargs, out), "bound"
     if packet is getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None):
@@ -357,6 +359,12 @@ def _flops(func, args, kwargs, out, seconds=None) -> tuple[int, str]:
     if seconds is not None:
         return max(1, int(seconds * _cpu_flop_rate())), "measured"
     return _flops_bound(args, kwargs, out), "bound"
+
+
+def _whole(n):
+    """``int(n)``, except that a symbolic count (gradaccel/recompute/lengths.py traces on symbolic sizes)
+    stays a formula: ``int()`` would pin its sizes to this call's."""
+    return n if isinstance(n, torch.SymInt) else int(n)
 
 
 def _flops_bound(args, kwargs, out) -> int:

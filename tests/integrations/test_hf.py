@@ -9,6 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _models import assert_grads_match  # noqa: E402,F401  (test_hf_takeover imports it from here too)
 from gradaccel import checkpoint_blocks  # noqa: E402
 from gradaccel.recompute.checkpoint import plan_rows, reset_plans  # noqa: E402
 
@@ -41,15 +42,6 @@ def _mlp_input_module(model):
 def lm_loss(model, ids, seed=1):
     torch.manual_seed(seed)
     return model(input_ids=ids, labels=ids, use_cache=False).loss
-
-
-def assert_grads_match(ref, model):
-    # Checkpointing does not change the maths: only ulp-level differences from a recompute that
-    # orders reductions differently are allowed, relative to each tensor's scale.
-    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-        assert q.grad is not None, name
-        scale = p.grad.abs().max().item() or 1.0
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6 * scale, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def assert_same_step(ref, model, ids, seed=1):

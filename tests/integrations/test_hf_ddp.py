@@ -19,7 +19,7 @@ pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 accelerate = pytest.importorskip("accelerate")
 
-from gradaccel import hf  # noqa: E402
+from gradaccel.integrations import hf  # noqa: E402  (private parts too)
 from gradaccel.integrations import hf_dist as _hf_dist  # noqa: E402
 
 HERE = Path(__file__).parent

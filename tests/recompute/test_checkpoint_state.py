@@ -306,13 +306,14 @@ def test_reset_plans_clears_every_piece_of_state_and_gives_host_buffers_back(mon
             gradaccel.checkpoint(net, x, budget=0.0, offload=True, use_reentrant=True).sum().backward()
     (store,) = STATE.stores.values()
     assert store.bytes_reserved > 0 and plan_rows()[0]["offloaded_bytes"] > 0
-    assert STATE.regions and STATE.in_order and STATE.warned and STATE.previous_offload is not None
+    assert STATE.regions and STATE.shapes and STATE.in_order and STATE.warned and STATE.previous_offload is not None
     reset_plans()
     assert store.bytes_reserved == 0  # the pool's idle buffers went back to the system
-    assert not (STATE.regions or STATE.in_order or STATE.warned or STATE.stores) and STATE.previous_offload is None
+    assert not (STATE.regions or STATE.shapes or STATE.kinds or STATE.in_order or STATE.warned or STATE.stores)
+    assert STATE.previous_offload is None
     assert plan_rows() == []
     # Every field is checked above: a new piece of state must be added to this test.
-    assert set(vars(STATE)) == {"regions", "in_order", "warned", "stores", "previous_offload"}
+    assert set(vars(STATE)) == {"regions", "shapes", "kinds", "in_order", "warned", "stores", "previous_offload"}
     with pytest.warns(UserWarning, match="use_reentrant=True"):  # warned again, traced again
         gradaccel.checkpoint(net, x, budget=0.0, offload=True, use_reentrant=True).sum().backward()
     assert plan_rows()[0]["calls"] == 1

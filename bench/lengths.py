@@ -1,0 +1,209 @@
+"""The `lengths` suite: training on sequence lengths that change every step, as real fine-tuning does.
+
+An HF Llama (4 layers, hidden 256, sdpa) trains on lengths drawn from a skewed distribution like
+instruction data (log-normal, median ~120 tokens, clipped to [8, max]). After a warm-up on 4
+lengths, every step is at a length that variant has never seen, planning included. Cases: batch
+1 (each step the length of its text) and padded batches of 4 (each step padded to its longest
+text, an attention mask on the padding).
+
+Variants, each on its own copy of the same model:
+
+- ``torch-nockpt``: no checkpointing;
+- ``torch-hf-ckpt``: Hugging Face gradient checkpointing (whole blocks, torch's checkpoint): the
+  baseline of the table;
+- ``gradaccel-budget0.5``: ``checkpoint_blocks(model, budget=0.5)``;
+- ``gradaccel-memory``: ``checkpoint_blocks(model, memory=0.6 x torch-nockpt's peak at the
+  longest length)``;
+- ``gradaccel-fit``: ``gradaccel.fit.fit(model, seq=max length, batch, memory=same).apply()``.
+
+Metrics: ``time`` (seconds of the new-length steps, forward, backward and an SGD step), and
+``new_vs_planned``: those seconds over the seconds of a second step at each length (a planned
+step; 1.00x means a new length costs nothing extra). Each length is run by every variant in
+turn (first call, then the planned call), so drifts in machine speed hit all alike. Then, on a
+few more new lengths, under counters: ``peak_bytes`` (the most live tensor bytes in a step,
+gradaccel.memory.LiveBytes) and ``recompute_flops`` (the step's backward FLOPs less
+no checkpointing's, torch's FlopCounterMode), on the first call at each length (for
+``gradaccel-memory``, the second: its first call at a length profiles the model on fake tensors,
+whose bytes LiveBytes would count).
+"""
+
+import copy
+import time
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import gradaccel
+from bench.common import progress, pyplot, row, save_figure, tiny
+
+SUITE = "lengths"
+BASELINE = "torch-hf-ckpt"
+TABLE_METRICS = ["time", "new_vs_planned", "peak_bytes", "recompute_flops"]
+VARIANTS = ["torch-nockpt", "torch-hf-ckpt", "gradaccel-budget0.5", "gradaccel-memory", "gradaccel-fit"]
+
+
+def _config(quick):
+    """(hidden, intermediate, layers, heads, vocab, max length, steps, warm-up, counted lengths)."""
+    if tiny():
+        return dict(hidden=64, inter=128, layers=2, heads=2, vocab=128, max_len=48, steps=2, warmup=1, counted=1)
+    return dict(hidden=256, inter=688, layers=4, heads=4, vocab=2048, max_len=512, steps=40,
+                warmup=4, counted=3)
+
+
+def _model(c, device):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=c["hidden"], intermediate_size=c["inter"], num_hidden_layers=c["layers"],
+                                   num_attention_heads=c["heads"], num_key_value_heads=c["heads"], vocab_size=c["vocab"],
+                                   max_position_embeddings=1024)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device).train()
+
+
+def _lengths(c, n, seen, rng):
+    """``n`` lengths none of which is in ``seen``, log-normal (instruction data's long tail)."""
+    out = []
+    while len(out) < n:
+        t = int(np.clip(rng.lognormal(np.log(120), 0.8), 8, c["max_len"]))
+        if t not in seen:
+            seen.add(t)
+            out.append(t)
+    return out
+
+
+def _batch(c, longest, batch, rng, device):
+    """Token ids padded to ``longest`` (the longest text of the batch), mask and labels."""
+    ids = torch.from_numpy(rng.integers(1, c["vocab"], (batch, longest))).to(device)
+    mask = torch.ones(batch, longest, dtype=torch.long, device=device)
+    for b in range(1, batch):  # the others shorter: padded at the end
+        mask[b, int(rng.integers(max(1, longest // 4), longest + 1)):] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+
+
+class _Variant:
+    def __init__(self, name, base, c, device, target, batch):
+        self.name = name
+        self.model = copy.deepcopy(base)
+        opt = torch.optim.SGD(self.model.parameters(), lr=0.0)
+        if name == "torch-hf-ckpt":
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers 5 renamed it
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif name == "gradaccel-budget0.5":
+            gradaccel.checkpoint_blocks(self.model, budget=0.5)
+        elif name == "gradaccel-memory":
+            gradaccel.checkpoint_blocks(self.model, memory=target)
+        elif name == "gradaccel-fit":
+            from gradaccel.memory.fit import fit
+
+            plan = fit(self.model, seq=c["max_len"], batch=batch, memory=target, micro_batches=[batch])
+            self.model, opt = plan.apply(self.model, opt)
+        self.opt = opt
+
+    def step(self, inputs):
+        loss = self.model(**inputs).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def _peak_and_flops(variant, inputs):
+    """(peak live bytes, backward FLOPs) of one step."""
+    from gradaccel.memory.counter import LiveBytes
+
+    with LiveBytes() as live:
+        loss = variant.model(**inputs).loss
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+    variant.opt.step()
+    variant.opt.zero_grad(set_to_none=True)
+    return live.peak, counter.get_total_flops()
+
+
+def _case(c, batch, device, rows, fails):
+    case = f"llama{c['layers']}x h{c['hidden']} batch {batch}"
+    rng = np.random.default_rng(batch)
+    base = _model(c, device)
+    seen = set()
+    gradaccel.reset_plans()
+    # The memory target: 0.6 x no checkpointing's peak at the longest length.
+    probe = _Variant("torch-nockpt", base, c, device, None, batch)
+    target = int(0.6 * _peak_and_flops(probe, _batch(c, c["max_len"], batch, rng, device))[0])
+    variants = {}
+    for name in VARIANTS:
+        try:
+            variants[name] = _Variant(name, base, c, device, target, batch)
+        except Exception as e:  # noqa: BLE001 (a variant that cannot be set up is reported, not fatal)
+            fails[name] = f"{type(e).__name__}: {e}"
+    warm = _lengths(c, c["warmup"], seen, rng)
+    new = _lengths(c, c["steps"], seen, rng)
+    counted = _lengths(c, c["counted"], seen, rng)
+    first = {n: 0.0 for n in variants}
+    again = {n: 0.0 for n in variants}
+    for i, t in enumerate(warm + new, 1):
+        progress(f"{case} T{t}", i, len(warm) + len(new))
+        inputs = _batch(c, t, batch, rng, device)
+        for name, v in list(variants.items()):
+            try:
+                t0 = time.perf_counter()
+                v.step(inputs)
+                t1 = time.perf_counter()
+                v.step(inputs)
+                t2 = time.perf_counter()
+            except Exception as e:  # noqa: BLE001
+                fails[name] = f"{type(e).__name__}: {e}"
+                del variants[name]
+                continue
+            if i > len(warm):
+                first[name] += t1 - t0
+                again[name] += t2 - t1
+    peaks = {n: 0 for n in variants}
+    flops = {n: 0 for n in variants}
+    for t in counted:
+        inputs = _batch(c, t, batch, rng, device)
+        plain = None
+        for name, v in variants.items():
+            if name == "gradaccel-memory":  # its first call profiles on fake tensors, which LiveBytes would count
+                v.step(inputs)
+            peak, f = _peak_and_flops(v, inputs)
+            if name == "torch-nockpt":
+                plain = f
+            peaks[name] = max(peaks[name], peak)
+            flops[name] += f - plain
+    for name in variants:
+        rows += [row(SUITE, case, name, "time", first[name], "s", device),
+                 row(SUITE, case, name, "new_vs_planned", first[name] / again[name], "x", device),
+                 row(SUITE, case, name, "peak_bytes", peaks[name], "B", device),
+                 row(SUITE, case, name, "recompute_flops", max(0, flops[name]), "FLOP", device)]
+
+
+def run(device: str, quick: bool) -> list[dict]:
+    """Runs the batch-1 and padded-batch-of-4 cases on ``device`` (see the module docstring).
+
+    Returns:
+        rows made by ``bench.common.row``.
+    """
+    c = _config(quick)
+    rows, fails = [], {}
+    for batch in (1,) if tiny() else (1, 4):
+        _case(c, batch, device, rows, fails)
+    for name, why in fails.items():
+        print(f"bench lengths: {name} left out: {why}")
+    return rows
+
+
+def plot(rows: list[dict], out_dir: str) -> list[str]:
+    plt = pyplot()
+    cases = sorted({r["case"] for r in rows})
+    fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 4), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        times = {r["variant"]: r["value"] for r in rows if r["case"] == case and r["metric"] == "time"}
+        names = [n for n in VARIANTS if n in times]
+        ax.bar(range(len(names)), [times[n] for n in names])
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.set(title=case, ylabel="seconds over the new lengths")
+    fig.tight_layout()
+    return [save_figure(fig, out_dir, "lengths_time.png")]

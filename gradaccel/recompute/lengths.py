@@ -1,0 +1,512 @@
+"""Plans that hold across sizes: one trace per *structure* of a region, sized per call.
+
+A region's trace (gradaccel/recompute/trace.py) is taken at one input signature. Sequence lengths change
+almost every step in real fine-tuning, so plans are cached per *structure*: the signature with
+the sizes and strides of its tensors left out (what stays: rank, which sizes and strides are 0
+or 1, storage offsets, dtypes, devices, aliasing, every non-tensor argument, module state).
+
+Within a structure, the first traced call is the *template*. When a call of another size comes,
+the region's Python runs once more, on fake tensors whose sizes and strides are symbols (torch's
+``ShapeEnv``, one symbol per input size or stride, never merged by value), under the same
+recorder. That gives every number of the trace (op arguments such as view shapes and arange
+lengths, tensor geometry, storage bytes, FLOPs) as a formula of the input sizes, and the
+*guards*: the conditions on the sizes under which the region takes the same path (a branch on
+the length, a slice inside a buffer, a kernel choice that reads sizes). The symbolic trace must
+match the template op for op, and its formulas must give back the template's numbers at the
+template's sizes, or it is not used.
+
+Every later call of the structure at a new size is then: evaluate the formulas and guards (one
+compiled Python function), build the trace at those sizes, and plan it (the C++ planner). No
+trace, no recompute beyond that size's plan. Where a guard fails (the structure changes with the
+size), the call is traced anew and becomes another template. The frame checks every saved tensor
+of a sized plan against the formulas' shape, stride and offset (gradaccel/recompute/frames.py), so a call
+that strays from the prediction keeps what it saves and is traced again next time.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import math
+import warnings
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_unflatten
+
+from gradaccel.recompute import split_off as _split
+from gradaccel.recompute.cost import FLOPS_PER_BYTE, OpCost, price
+from gradaccel.recompute.roles import Source
+from gradaccel.recompute.trace import Graph, Op, Pack, Recorder, Ref, Storage
+
+MAX_TEMPLATES = 4  # traces kept per structure (a structure that changes with the size has several)
+MAX_STRUCTURES = 16  # structures kept per callable; the least recently used goes first
+MAX_RETRACE = 64  # signatures of a structure waiting to be traced again
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_FAKE_PASS = []  # non-empty while a region's Python runs on symbolic fake tensors
+
+
+def in_fake_pass() -> bool:
+    """True inside the symbolic pass: a nested ``gradaccel.checkpoint`` then runs its function plainly."""
+    return bool(_FAKE_PASS)
+
+
+def without_sizes(part):
+    """One part of a plan's key (gradaccel/recompute/checkpoint.py ``_signature``) as a structure keeps it:
+    of a tensor's geometry, its rank, which sizes and strides are 0 or 1 (torch's symbolic shapes
+    specialise those) and its storage offset. Other parts stay as they are."""
+    if type(part) is tuple and len(part) == 5 and type(part[0]) is tuple and len(part[0]) == 3 \
+            and type(part[0][0]) is torch.Size:
+        shape, stride, offset = part[0]
+        return ((len(shape), tuple(d if d < 2 else -1 for d in shape), tuple(s if s < 2 else -1 for s in stride),
+                 offset),) + part[1:]
+    return part
+
+
+@dataclasses.dataclass
+class Template:
+    """A traced graph of a structure, the sizes it was traced at, and (once a call of another
+    size asked) its formulas: a :class:`Formulas`, or False where they could not be had."""
+
+    graph: Graph
+    geometry: dict  # flat index -> (shape, stride) of each tensor argument when traced
+    formulas: object = None
+
+
+class Structure:
+    """The templates of one structure (most recently used first) and its counters."""
+
+    def __init__(self):
+        self.templates: list[Template] = []
+        self.traces = 0  # calls traced for this structure
+        self.sized = 0  # calls planned from formulas, with no trace
+        self.retrace: set = set()  # exact signatures to trace on their next call (a sized call strayed)
+        self.kind = None  # what callables of the same code and settings share (see module_kind)
+        self.passes = 0  # symbolic passes run for it (each costs about a forward's Python, on fake tensors)
+
+    def add(self, graph: Graph, flat: list) -> None:
+        self.traces += 1
+        geometry = {i: (tuple(x.shape), tuple(x.stride())) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
+        self.templates.insert(0, Template(graph, geometry))
+        del self.templates[MAX_TEMPLATES:]
+
+    def strayed(self, key) -> None:
+        """A call sized from formulas saved other tensors than predicted: its exact signature is
+        traced on its next call (a bounded set: one forgotten is merely sized, and strays, again)."""
+        if len(self.retrace) >= MAX_RETRACE:
+            self.retrace.pop()
+        self.retrace.add(key)
+
+    def sized_graph(self, fn, flat: list, spec) -> Graph | None:
+        """The trace at the sizes of ``flat``, from a template's formulas; None where no
+        template holds at these sizes (the call is to be traced)."""
+        for k, template in enumerate(self.templates):
+            if template.formulas is None:
+                template.formulas = _shared(self.kind, template)
+                if template.formulas is None and self.passes < MAX_TEMPLATES:  # not one pass per length
+                    self.passes += 1
+                    template.formulas = analyse(template, fn, flat, spec)
+                template.formulas = template.formulas or False
+                if template.formulas and self.kind is not None:
+                    _share(self.kind, template.formulas)
+            if template.formulas:
+                graph = template.formulas.graph_at(flat)
+                if graph is not None:
+                    self.templates.insert(0, self.templates.pop(k))
+                    self.sized += 1
+                    return graph
+        return None
+
+
+def structures_of(shapes: dict, key) -> Structure:
+    """The Structure for ``key`` in one callable's ``shapes`` (an LRU dict), made if new."""
+    structure = shapes.pop(key, None) or Structure()
+    shapes[key] = structure
+    while len(shapes) > MAX_STRUCTURES:
+        shapes.pop(next(iter(shapes)))
+    return structure
+
+
+def module_kind(module: torch.nn.Module, plain) -> tuple:
+    """Modules of one kind run the same code on the same settings: each submodule's class, its
+    plain attributes except layer indices (``layer_idx``), its parameters' and buffers' shapes,
+    dtypes and trainability. The layers of a model are one kind, so one symbolic pass serves all
+    of them (each layer's own trace must still match the formulas op for op)."""
+    parts = []
+    for name, sub in module.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in sub.__dict__.items()
+                             if plain(v) and not k.endswith(("idx", "index"))))
+        params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in sub._parameters.items() if p is not None)
+        buffers = tuple((k, tuple(b.shape), b.dtype) for k, b in sub._buffers.items() if b is not None)
+        parts.append((name, type(sub), attrs, params, buffers))
+    return tuple(parts)
+
+
+MAX_KINDS = 64  # kinds whose formulas are kept for other callables of the kind
+
+
+def _shared(kind, template: Template):
+    """Formulas another callable of ``kind`` found, rebound to ``template`` if they match it."""
+    from gradaccel.recompute.state import STATE
+
+    for formulas in STATE.kinds.get(kind, ()) if kind is not None else ():
+        if formulas.matches(template.graph, template.geometry):
+            mine = copy.copy(formulas)
+            mine.template = template.graph
+            return mine
+    return None
+
+
+def _share(kind, formulas) -> None:
+    from gradaccel.recompute.state import STATE
+
+    found = STATE.kinds.pop(kind, [])
+    STATE.kinds[kind] = [formulas] + [f for f in found if f.sym is not formulas.sym][:MAX_TEMPLATES - 1]
+    while len(STATE.kinds) > MAX_KINDS:
+        STATE.kinds.pop(next(iter(STATE.kinds)))
+
+
+# -- the symbolic pass -------------------------------------------------------------------------
+class _SymbolicGraph(Graph):
+    """The trace on fake tensors. Real tensors the region reads (parameters, buffers), which the
+    fake mode converts on each use, are known by their fake (one per tensor, static sizes), so
+    that an op and autograd's saving of the same parameter name one storage."""
+
+    def __init__(self, flat_args: list, preserve_rng_state: bool, mode):
+        super().__init__(flat_args, preserve_rng_state, "flops")
+        self.mode = mode
+
+    def storage_of(self, t: torch.Tensor) -> int:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if not isinstance(t, FakeTensor):
+            t = self.mode.fake_tensor_converter.from_real_tensor(self.mode, t)
+        return super().storage_of(t)
+
+
+class _SymbolicRecorder(Recorder):
+    """The tracer, minus what only symbolic sizes dispatch: the ``prim`` ops that fake tensors
+    run for metadata, and full slices (``x[:, :, None]``), which indexing skips on real tensors
+    but cannot prove full on symbolic ones. Each is a no-op for replay."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", "") == "prim":
+            return func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.slice.Tensor:
+            out = func(*args, **(kwargs or {}))
+            if _same_geometry(out, args[0]):
+                return out
+            self.graph.record(func, args, kwargs or {}, out)
+            return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors have the same size, stride and offset formulas (no guard is added)."""
+    expr = lambda v: str(v.node.expr) if isinstance(v, torch.SymInt) else str(v)  # noqa: E731
+    return [expr(v) for v in (*a.shape, *a.stride(), a.storage_offset())] == \
+        [expr(v) for v in (*b.shape, *b.stride(), b.storage_offset())]
+
+
+@contextlib.contextmanager
+def _isolated():
+    """The symbolic pass leaves no trace outside: no outer tracer or region sees its ops, the
+    generator does not move, and its warnings (the user's code runs twice) are not shown."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    saved, _split._ACTIVE[:] = list(_split._ACTIVE), []
+    _FAKE_PASS.append(True)
+    try:
+        with _disable_current_modes(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        _FAKE_PASS.pop()
+        _split._ACTIVE[:] = saved
+
+
+def _symbolic_trace(template: Template, fn, flat: list, spec):
+    """Runs ``fn`` on fake tensors with symbolic sizes under the recorder. The hints are the
+    template's sizes, so that the symbolic pass takes the template's path and its guards say
+    where that path holds (``flat``: this call's arguments, of the same structure).
+    Returns (graph, shape_env, {symbol: (kind, flat index, dim)}, argument checks)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    env = ShapeEnv(duck_shape=False)  # one symbol per size: equal lengths by chance stay apart
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    sources, checks, fake = {}, [], []
+    for i, x in enumerate(flat):
+        if not isinstance(x, torch.Tensor):
+            fake.append(x)
+            continue
+        # A fresh tensor of the template's geometry (not a view of something bigger, offset 0).
+        shape, stride = template.geometry[i]
+        plain = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device)
+        f = mode.from_tensor(plain, source=ConstantSource(f"gradaccel_arg{i}"),
+                             symbolic_context=StatelessSymbolicContext([DimDynamic.DYNAMIC] * x.dim()))
+        if x.requires_grad:
+            f.requires_grad_(True)
+        for kind, values in (("size", f.shape), ("stride", f.stride())):
+            for d, v in enumerate(values):
+                e = v.node.expr if isinstance(v, torch.SymInt) else None
+                if e is not None and e.is_Symbol:
+                    sources.setdefault(e, (kind, i, d))
+                checks.append((kind, i, d, v))
+        fake.append(f)
+    graph = _SymbolicGraph(fake, template.graph.preserve_rng_state, mode)
+
+    def pack(t):
+        graph.add_pack(t)
+        return t
+
+    args, kwargs = tree_unflatten(fake, spec)
+    with _isolated():
+        with mode, saved_tensors_hooks(pack, lambda t: t), _SymbolicRecorder(graph):
+            out = fn(*args, **kwargs)
+        graph.finish(out)
+    return graph, env, sources, checks
+
+
+def analyse(template: Template, fn, flat: list, spec):
+    """The :class:`Formulas` of ``template`` from a symbolic pass at the sizes of ``flat``, or
+    None where the region cannot be sized by formulas (see the module docstring)."""
+    graph = template.graph
+    if graph.dynamic or not isinstance(graph.cost, str) and not callable(graph.cost) or graph.cost == "measured" \
+            or any(op.priced != "formula" for op in graph.ops):
+        return None
+    if any(isinstance(x, torch.Tensor) and x.storage_offset() != 0 for x in flat):
+        return None
+    try:
+        sym_graph, env, sources, checks = _symbolic_trace(template, fn, flat, spec)
+        sym_graph.take_externals()  # the fake parameters: nothing needs them past the pass
+        formulas = Formulas(sym_graph, env, sources, checks)
+    except Exception:  # a data-dependent read, an op without a meta kernel, a printer gap: trace per size
+        return None
+    if not formulas.matches(graph, template.geometry):
+        return None
+    formulas.template = graph
+    return formulas
+
+
+# -- formulas ----------------------------------------------------------------------------------
+class Formulas:
+    """Every number of a symbolic trace as a formula of the input sizes, compiled into one
+    Python function; the guards and the input geometry checks among them."""
+
+    def __init__(self, sym_graph: Graph, env, sources: dict, checks: list):
+        from torch.utils._sympy.printers import PythonPrinter
+
+        self.sym = sym_graph
+        self.sources = sources
+        self.symbols = sorted(sources, key=str)
+        self._index: dict = {}
+        self._exprs: list = []
+        # Positions of the trace, as numbers: ("c", value) for a constant, else an index.
+        self.nbytes = [self._num(s.nbytes) for s in sym_graph.storages]
+        self.ops = []
+        for op in sym_graph.ops:
+            leaves = [self._geometry(x) if isinstance(x, Ref) else self._num(x) for x in op.leaves]
+            self.ops.append((leaves, self._num(op.flops), self._num(op.nbytes)))
+        self.packs = [self._geometry(p) for p in sym_graph.packs]
+        self.checks = [(kind, i, d, self._num(v)) for kind, i, d, v in checks]
+        self.guards = [self._add(env.simplify(g.expr)) for g in env.guards]
+        self.symbolic_ops = [k for k, (leaves, f, b) in enumerate(self.ops)
+                             if not _constant((leaves, f, b))]
+        printer = PythonPrinter()
+        names = ", ".join(str(s) for s in self.symbols)
+        body = ", ".join(printer.doprint(e) for e in self._exprs)
+        self._fn = eval(f"lambda {names}: ({body},)", {"torch": torch, "math": math})  # noqa: S307 (our own printed formulas)
+        self.template: Graph | None = None  # the traced graph these formulas resize (set once they match it)
+        self._balance = None  # op -> bytes' price in FLOPs, under the "flops" cost model
+
+    def _add(self, expr) -> int:
+        k = self._index.get(expr)
+        if k is None:
+            k = self._index[expr] = len(self._exprs)
+            self._exprs.append(expr)
+        return k
+
+    def _num(self, v):
+        if isinstance(v, _SYM):
+            expr = v.node.expr
+            if not expr.free_symbols:
+                return ("c", _plain(v))
+            if not expr.free_symbols <= set(self.sources):
+                raise ValueError(f"a size formula reads a symbol that is no input size: {expr}")
+            return self._add(expr)
+        return ("c", v)
+
+    def _geometry(self, view) -> tuple:
+        return (tuple(self._num(v) for v in view.size), tuple(self._num(v) for v in view.stride),
+                self._num(view.offset))
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def _values(self, geometry: dict):
+        """All formulas at the input geometry {flat index: (shape, stride)}; None where the
+        inputs do not have the symbolic inputs' geometry or a guard fails."""
+        args = []
+        for s in self.symbols:
+            kind, i, d = self.sources[s]
+            shape, stride = geometry[i]
+            args.append(shape[d] if kind == "size" else stride[d])
+        try:
+            values = self._fn(*args)
+        except Exception:  # a formula undefined at these sizes (a division by a size of 0)
+            return None
+        for kind, i, d, n in self.checks:
+            if _at(n, values) != geometry[i][0 if kind == "size" else 1][d]:
+                return None
+        if not all(values[g] for g in self.guards):
+            return None
+        return values
+
+    def matches(self, graph: Graph, geometry: dict, why: list | None = None) -> bool:
+        """Whether the symbolic trace is ``graph`` op for op, and its formulas give ``graph``'s
+        numbers at ``graph``'s sizes: then they hold wherever the guards do. ``why`` (a list)
+        gets the first difference."""
+        why = [] if why is None else why
+        values = self._values(geometry)
+        sym = self.sym
+        if values is None:
+            return why.append("the formulas do not hold at the traced sizes") or False
+        if len(sym.ops) != len(graph.ops) or sym.values != graph.values or len(sym.packs) != len(graph.packs) \
+                or sym.outputs != graph.outputs or sym.activations != graph.activations:
+            return why.append("another graph") or False
+        for k, (s, g, n) in enumerate(zip(sym.storages, graph.storages, self.nbytes)):
+            ext = (s.external.source, s.external.at if s.external.source is Source.ARG else None) if s.external else None
+            if (s.creator, s.device, _at(n, values)) != (g.creator, g.device, g.nbytes) or ext != (
+                    (g.external.source, g.external.at if g.external.source is Source.ARG else None) if g.external else None):
+                return why.append(f"storage {k}") or False
+        for k, (s, g, (leaves, flops, nbytes)) in enumerate(zip(sym.ops, graph.ops, self.ops)):
+            if (s.func, s.spec, s.reads, s.new_storages, s.replayable, s.random, len(s.leaves)) != (
+                    g.func, g.spec, g.reads, g.new_storages, g.replayable, g.random, len(g.leaves)):
+                return why.append(f"op {k} {g.func}") or False
+            if (_at(flops, values), _at(nbytes, values)) != (g.flops, g.nbytes):
+                return why.append(f"op {k} {g.func}: flops/bytes {_at(flops, values)} {g.flops} {_at(nbytes, values)} {g.nbytes}") or False
+            for i, (x, y, n) in enumerate(zip(s.leaves, g.leaves, leaves)):
+                if isinstance(x, Ref) != isinstance(y, Ref):
+                    return why.append(f"op {k} {g.func} argument {i}") or False
+                if isinstance(x, Ref):
+                    if (x.storage, x.value, x.dtype, x.device, x.meta_only) != (y.storage, y.value, y.dtype, y.device,
+                                                                             y.meta_only) \
+                            or not _same_view(_view_at(n, values), (y.size, y.stride, y.offset)):
+                        return why.append(f"op {k} {g.func} tensor {i}: {_view_at(n, values)} {y}") or False
+                elif not _same(_at(n, values), y):
+                    return why.append(f"op {k} {g.func} argument {i}: {_at(n, values)!r} {y!r}") or False
+        for k, (s, g, n) in enumerate(zip(sym.packs, graph.packs, self.packs)):
+            # An argument saved as it is has the caller's autograd node (the fake one has none).
+            made_inside = graph.storages[g.storage].creator >= 0
+            if (s.storage, s.value, s.dtype) != (g.storage, g.value, g.dtype) or made_inside and s.grad_fn != g.grad_fn \
+                    or not _same_view(_view_at(n, values), (g.size, g.stride, g.offset)):
+                return why.append(f"saved tensor {k}") or False
+        return True
+
+    def graph_at(self, flat: list) -> Graph | None:
+        """The template's trace at the sizes of ``flat`` (None where a guard fails)."""
+        geometry = {i: (tuple(x.shape), tuple(x.stride())) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
+        values = self._values(geometry)
+        return None if values is None else self._build(values)
+
+    def _build(self, values) -> Graph:
+        t = self.template
+        g = copy.copy(t)
+        g.sized = True
+        g.storages = [s if isinstance(n, tuple) else Storage(_at(n, values), s.device, s.creator, s.external, s.versions)
+                      for s, n in zip(t.storages, self.nbytes)]
+        ops = list(t.ops)
+        flops_model = isinstance(t.cost, str) and t.cost == "flops"
+        if self._balance is None:
+            self._balance = {k: FLOPS_PER_BYTE["cpu" if self._device(k).type == "cpu" else "cuda"]
+                             for k in self.symbolic_ops}
+        for k in self.symbolic_ops:
+            op = ops[k]
+            _, flops_n, nbytes_n = self.ops[k]
+            sized = object.__new__(_SizedOp)
+            fields = sized.__dict__
+            fields.update(op.__dict__)
+            del fields["leaves"]
+            flops, nbytes = _at(flops_n, values), _at(nbytes_n, values)
+            fields["flops"], fields["nbytes"], fields["resize"] = flops, nbytes, (self, k, values)
+            fields["cost"] = flops + self._balance[k] * nbytes if flops_model else \
+                price(t.cost, OpCost(str(op.func), flops, nbytes, self._device(k)), None)
+            ops[k] = sized
+        g.ops = ops
+        packs = []
+        for p, n in zip(t.packs, self.packs):  # Pack is frozen: filled in place, as its __init__ would
+            q = object.__new__(Pack)
+            q.__dict__.update(p.__dict__)
+            size, stride, offset = _view_at(n, values)
+            q.__dict__.update(size=size, stride=stride, offset=offset)
+            packs.append(q)
+        g.packs = packs
+        g.activation_bytes = sum(g.storages[s].nbytes for s in g.activations)
+        return g
+
+    def _device(self, k: int) -> torch.device:
+        """The device an op is priced on (as the recorder prices it: its first tensor's)."""
+        return next((r.device for r in self.template.ops[k].leaves if isinstance(r, Ref)), torch.device("cpu"))
+
+    def leaves_at(self, k: int, values) -> list:
+        """Op ``k``'s arguments at the sizes ``values``."""
+        return [x if isinstance(n, tuple) and n and n[0] == "c" else
+                (Ref(x.storage, x.value, *_view_at(n, values), x.dtype, x.device, x.meta_only)
+                 if isinstance(x, Ref) else _at(n, values)) for x, n in zip(self.template.ops[k].leaves, self.ops[k][0])]
+
+
+class _SizedOp(Op):
+    """An op of a trace sized from formulas. Its arguments are sized when first read, by replay
+    (most ops are never replayed): planning reads only costs and dependencies."""
+
+    @property
+    def leaves(self) -> list:
+        found = self.__dict__.get("_leaves")
+        if found is None:
+            formulas, k, values = self.resize
+            found = self.__dict__["_leaves"] = formulas.leaves_at(k, values)
+        return found
+
+
+def _constant(n) -> bool:
+    """Whether a (nested) number position holds no formula."""
+    if isinstance(n, int):
+        return False
+    if isinstance(n, tuple) and len(n) == 2 and n[0] == "c":
+        return True
+    return all(_constant(m) for m in n)
+
+
+def _same_view(a: tuple, b: tuple) -> bool:
+    """Two (size, stride, offset) that address the same elements: a dim of size 1 has any stride."""
+    return a[0] == b[0] and a[2] == b[2] and all(x == y or d == 1 for x, y, d in zip(a[1], b[1], a[0]))
+
+
+def strays(t: torch.Tensor, pack) -> bool:
+    """Whether a saved tensor's strides or offset differ from what a sized trace predicted."""
+    return t.storage_offset() != pack.offset or not _same_view((tuple(t.shape), t.stride(), 0),
+                                                               (pack.size, pack.stride, 0))
+
+
+def _at(n, values):
+    return n[1] if isinstance(n, tuple) else values[n]
+
+
+def _view_at(n, values) -> tuple:
+    size, stride, offset = n
+    return tuple(_at(m, values) for m in size), tuple(_at(m, values) for m in stride), _at(offset, values)
+
+
+def _plain(v):
+    """A symbolic number with no free symbol, as a Python number."""
+    return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(v)](v)
+
+
+def _same(a, b) -> bool:
+    if type(a) is not type(b) and not (isinstance(a, (int, float)) and isinstance(b, (int, float))
+                                       and not isinstance(a, bool) and not isinstance(b, bool)):
+        return False
+    try:
+        return bool(a == b) or (a != a and b != b)  # NaN arguments
+    except Exception:
+        return False
+
