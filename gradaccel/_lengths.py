@@ -32,11 +32,13 @@ import dataclasses
 import math
 
 import numpy as np
+import torch
+from torch.utils._pytree import tree_map
 
 from gradaccel._profile import KEEP_ALL, PARTS, Kind, Point, Profile, _points
 from gradaccel.memory import LiveBytes
 
-__all__ = ["Trajectory", "LengthProfile", "profile_lengths"]
+__all__ = ["Trajectory", "LengthProfile", "profile_lengths", "length_of", "at_length"]
 
 
 class Trajectory(LiveBytes):
@@ -356,3 +358,33 @@ def _predicted(source: LengthProfile, t: int) -> Profile:
     prof.held = [int(v) for v in fits["held"](t)]
     prof.end_forward = int(fits["end"](t)[0])
     return prof
+
+
+# -- the length of a call ------------------------------------------------------------------------
+def length_of(flat: list) -> tuple:
+    """(sequence length, structure key) of a call's flattened arguments, or (None, None).
+
+    The length is dimension 1 of the first 2-d integer tensor (token ids, ``(batch, length)``),
+    else of the first 3-d floating tensor (``(batch, length, channels)``). The structure key is
+    the tensors' shapes with every dimension equal to the length left out, and their dtypes."""
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+    first = next((t for t in tensors if t.dim() == 2 and not t.is_floating_point()), None)
+    if first is None:
+        first = next((t for t in tensors if t.dim() == 3 and t.is_floating_point()), None)
+    if first is None:
+        return None, None
+    t_len = first.shape[1]
+    key = tuple((tuple(None if d == t_len else d for d in t.shape), t.dtype, t.requires_grad) for t in tensors)
+    return t_len, key
+
+
+def at_length(tree, old: int, new: int):
+    """``tree`` with each tensor replaced by zeros whose dimensions equal to ``old`` are ``new``
+    (only shapes and dtypes matter to a fake-tensor profile)."""
+    def resize(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = tuple(new if d == old else d for d in t.shape)
+        return torch.zeros(shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+
+    return tree_map(resize, tree)
