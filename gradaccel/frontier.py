@@ -45,7 +45,8 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["MemoryTarget", "ChunkedLinearCrossEntropy", "install_head", "set_head", "set_plans"]
 
 TILES = 4  # token chunks of a token-wise part in "tiles" mode
-SEEN = 1024  # input shapes whose plan memory= keeps; past it, the least recently chosen goes
+SEEN = 1024  # input shapes whose plan memory= keeps; past it, the oldest goes
+PREDICT_LENGTHS = True  # False: profile each new input shape on fake tensors (before 2026-12; for bench/)
 _busy = threading.local()
 
 
@@ -345,7 +346,7 @@ class MemoryTarget:
                            trajectories=True)
 
         length, structure = length_of(tree_flatten((args, kwargs))[0])
-        if length is None:
+        if length is None or not PREDICT_LENGTHS:
             return run(args, kwargs)
         # The loss in chunks is its own structure; where its number of chunks follows the length
         # (a large vocabulary), the fit fails and each length is profiled.

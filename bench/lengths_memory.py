@@ -1,0 +1,85 @@
+"""memory= over steps of new sequence lengths: per-length fake-tensor profiles (before) against
+the length profile (gradaccel/_lengths.py), side by side with HF checkpointing and no
+checkpointing, in one run. Reports total time relative to HF checkpointing, fake-tensor
+profiles made, and each step's peak of live bytes against the target.
+
+    PYTHONPATH=. python bench/lengths_memory.py --steps 40
+"""
+
+import argparse
+import random
+import time
+
+import torch
+
+import gradaccel
+import gradaccel.frontier as frontier
+from gradaccel._profile import profile_runs
+from gradaccel.memory import LiveBytes
+
+
+def llama(layers, hidden, vocab):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=int(2.75 * hidden), num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=4, vocab_size=vocab,
+                                   max_position_embeddings=2048, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def step(model, ids):
+    model.zero_grad(set_to_none=True)
+    with LiveBytes() as live:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return live.peak
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--fraction", type=float, default=0.6, help="target: this fraction of no checkpointing's peak")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    warm = [a.max_len, a.max_len // 2, a.max_len // 4, 3 * a.max_len // 4]
+    # Skewed like instruction data: many short texts, a few long ones; none seen in warm-up.
+    lengths = []
+    while len(lengths) < a.steps:
+        t = min(a.max_len, max(8, int(rng.lognormvariate(4.8, 0.6))))
+        if t not in warm and t not in lengths:
+            lengths.append(t)
+    ids = {t: torch.randint(0, a.vocab, (1, t), generator=torch.Generator().manual_seed(t)) for t in warm + lengths}
+    memory = int(a.fraction * step(llama(a.layers, a.hidden, a.vocab), ids[a.max_len]))
+    variants = {"no checkpointing": lambda m: m, "HF checkpointing": lambda m: (m.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False}), m)[1],
+        "memory= (profile per length: before)": lambda m: gradaccel.checkpoint_blocks(m, memory=memory),
+        "memory= (length profile)": lambda m: gradaccel.checkpoint_blocks(m, memory=memory)}
+    rows = {}
+    for name, make in variants.items():
+        gradaccel.reset_plans()
+        frontier.PREDICT_LENGTHS = "before" not in name
+        model = make(llama(a.layers, a.hidden, a.vocab))
+        for t in warm:
+            step(model, ids[t])
+        runs = profile_runs()
+        start, peaks = time.perf_counter(), []
+        for t in lengths:
+            peaks.append(step(model, ids[t]))
+        rows[name] = (time.perf_counter() - start, profile_runs() - runs, peaks)
+    frontier.PREDICT_LENGTHS = True
+    hf = rows["HF checkpointing"][0]
+    print(f"{a.steps} new lengths {min(lengths)}..{max(lengths)} (warm-up {warm}), Llama {a.layers}x{a.hidden}, "
+          f"vocab {a.vocab}, 1 thread; target {memory} bytes")
+    print(f"{'variant':<40} {'time':>8} {'vs HF':>6} {'profiles':>8} {'max peak/target':>15} {'steps over':>10}")
+    for name, (secs, runs, peaks) in rows.items():
+        over = sum(p > memory for p in peaks)
+        print(f"{name:<40} {secs:8.2f} {secs / hf:6.2f} {runs:8d} {max(peaks) / memory:15.3f} {over:10d}")
+
+
+if __name__ == "__main__":
+    main()
