@@ -403,7 +403,9 @@ class MemoryTarget:
             head = min(least, key=lambda h: tried[h][0].predict(least[h])["peak"])
             prof, points = tried[head][0], least[head]
         peak = prof.predict(points)["peak"]
-        if not fitting:
+        # The split works on estimated block peaks; the least-peak plan's exact peak may fit where
+        # its estimate did not: it is then the plan, without a warning.
+        if not fitting and peak > self.memory:
             warnings.warn(f"gradaccel.checkpoint_blocks: memory={self.memory} bytes is below the least this step can "
                           f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors); using that plan. "
                           "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
