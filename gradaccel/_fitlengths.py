@@ -76,6 +76,13 @@ class FittedLengths:
         room = fit.memory - fit.slack - planner.static.total - planner._dequantised(prof)
         fronts = planner.fronts(prof)
         points = least_recompute(prof, fronts, room, layout=planner.layout) if room > 0 else None
+        if points is None and hasattr(prof, "_source"):
+            # The predicted profile offers the candidate plans fitted across lengths, fewer than a
+            # profile of this length: before going over the target, profile it (once).
+            prof = planner.profile(length, fit.micro_batch, fit.chunked_loss)
+            self.profiled.append(length)
+            fronts = planner.fronts(prof)
+            points = least_recompute(prof, fronts, room, layout=planner.layout) if room > 0 else None
         if points is None:
             warnings.warn(f"gradaccel.fit: at length {length} no plan fits the target of {fit.memory} bytes; the "
                           "least-peak plan is used", UserWarning, stacklevel=4)

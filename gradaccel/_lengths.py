@@ -73,6 +73,9 @@ def profile_lengths(longest: int, shortest: int | None = None) -> list | None:
     return sorted({shortest, mid, check, longest})
 
 
+CANDIDATES = 12  # plans per kind taken from each end's frontier and fitted across lengths
+
+
 class _Unfit(Exception):
     pass
 
@@ -218,12 +221,19 @@ class LengthProfile:
             priced = [i for i, op in enumerate(kind.graph.ops) if op.priced == "formula"]
             flops = _Poly(lengths, [[k.graph.ops[i].flops for i in priced] for k in ks])
             cost = _Poly(lengths, [[int(k.graph.ops[i].cost) for i in priced] for k in ks])
-            # Keep-all and keep-least now; a plan in between when a prediction first asks for
-            # it (:meth:`peaks`), and again whenever a length is added.
+            # The candidate plans, run at every profiled length: keep-all, keep-least, and
+            # ``CANDIDATES`` plans spread over the frontiers of the longest and the shortest
+            # length (and any fitted since: :meth:`peaks`).
             zero = tuple(kind.zero.plan.keep)
             old = self._fits["kinds"][j]["runs"] if self._fits else {}
+            keeps = {zero: None}
+            for k in (ks[-1], ks[0]):
+                front = k.frontier
+                for i in sorted({round(x * (len(front) - 1) / (CANDIDATES - 1)) for x in range(CANDIDATES)}):
+                    keeps.setdefault(tuple(front[i].plan.keep), None)
+            keeps.update((k, None) for k in old if k not in (KEEP_ALL, PARTS))
             runs = {KEEP_ALL: self._runs(profs, j, lambda k: KEEP_ALL)}
-            for keep in {zero, *(k for k in old if k not in (KEEP_ALL, PARTS))}:
+            for keep in keeps:
                 runs[keep] = self._runs(profs, j, lambda k, keep=keep: _keeping(k, keep))
             for p, k in zip(profs, ks):
                 p.options(k)  # parts (and tiles) runs, as the profile makes them
@@ -306,6 +316,13 @@ class _Predicted(Profile):
         self.block_peak(kind, point)
         return kind._peaks[KEEP_ALL if point == KEEP_ALL else point.key][0]
 
+    def block_peak_estimate(self, kind, point) -> int:
+        return self.block_peak(kind, point)  # the exact peak is known: no estimate needed
+
+    def need(self, terms: dict, i: int, point, exact: bool = True) -> tuple:
+        # Every candidate's peaks are fitted, so the split works on exact figures throughout.
+        return super().need(terms, i, point, True)
+
     def options(self, kind, offload: bool = False) -> list:
         if offload:
             raise ValueError("offload plans are not predicted across lengths")
@@ -339,7 +356,21 @@ def _predicted(source: LengthProfile, t: int) -> Profile:
             raise ValueError(f"at length {t} the keep-least plan is not the profiled one")
         k._peaks[k.zero.key] = runs[fit["zero"]].at(t)
         k._peaks[KEEP_ALL] = runs[KEEP_ALL].at(t)
-        k.__dict__["frontier"] = _points(k)  # the planner's own, on the graph at t
+        # The candidates that are the planner's own plan at t for their bytes: a budget of that
+        # many bytes gives gradaccel.checkpoint that very plan at t.
+        found = {k.zero.key: k.zero}
+        for keep, run in runs.items():
+            if keep in (KEEP_ALL, PARTS) or run is None:
+                continue
+            p = k.plan_at(max(1, plan_keeping(graph, keep).kept_bytes))
+            if tuple(p.plan.keep) == keep and p.key not in found:
+                k._peaks[p.key] = run.at(t)
+                found[p.key] = p
+        front = []  # keep-least first; then each plan keeps more and recomputes less
+        for p in sorted(found.values(), key=lambda p: (p.kept, p is not k.zero)):
+            if not front or p.cost < front[-1].cost:
+                front.append(p)
+        k.__dict__["frontier"] = front
         k._options = []
         if PARTS in runs:
             k._peaks[PARTS] = runs[PARTS].at(t)

@@ -335,7 +335,7 @@ class MemoryTarget:
         self._set(module, blocks, head and kwargs.get("labels") is not None, settings)
         return None
 
-    def _profile(self, module, args, kwargs, head):
+    def _profile(self, module, args, kwargs, head, predict=True):
         """The step's profile at this call's length: predicted from the structure's profiles
         at other lengths (gradaccel/_lengths.py) where it can be, else a fake-tensor run."""
         from gradaccel._lengths import LengthProfile, at_length, length_of, profile_lengths
@@ -346,7 +346,7 @@ class MemoryTarget:
                            trajectories=True)
 
         length, structure = length_of(tree_flatten((args, kwargs))[0])
-        if length is None or not PREDICT_LENGTHS:
+        if length is None or not PREDICT_LENGTHS or not predict:
             return run(args, kwargs)
         # The loss in chunks is its own structure; where its number of chunks follows the length
         # (a large vocabulary), the fit fails and each length is profiled.
@@ -378,12 +378,12 @@ class MemoryTarget:
     def _set(model, blocks, head, settings):
         set_plans(model, blocks, head, settings)
 
-    def _choose(self, module, args, kwargs):
+    def _choose(self, module, args, kwargs, predict=True):
         from gradaccel._knapsack import least_peak, least_recompute
         from gradaccel._profile import PARTS, TILES
 
         def plan(head):
-            prof = self._profile(module, args, kwargs, head)
+            prof = self._profile(module, args, kwargs, head, predict)
             opts = [prof.options(prof.kind_of[i]) for i in range(len(prof.blocks))]
             return prof, opts, least_recompute(prof, opts, self.memory)
 
@@ -405,6 +405,10 @@ class MemoryTarget:
         peak = prof.predict(points)["peak"]
         # The split works on estimated block peaks; the least-peak plan's exact peak may fit where
         # its estimate did not: it is then the plan, without a warning.
+        if not fitting and peak > self.memory and any(hasattr(t[0], "_source") for t in tried.values()):
+            # A predicted profile offers fewer plans than a profile of this length (the candidates
+            # fitted across lengths): before going over the target, profile this length itself.
+            return self._choose(module, args, kwargs, predict=False)
         if not fitting and peak > self.memory:
             warnings.warn(f"gradaccel.checkpoint_blocks: memory={self.memory} bytes is below the least this step can "
                           f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors); using that plan. "
