@@ -16,15 +16,18 @@ What is fitted, per structure (blocks of one kind trace alike):
   planner's own, on that graph: what ``gradaccel.checkpoint`` plans at ``T`` for the same
   budget;
 - the skeleton run (every block keep-nothing) after each op, and its phase marks;
-- each block run alone, after each op, under each candidate plan: keep-nothing, keep-all,
-  parts, and every keep set on any profiled length's frontier.
+- each block run alone, after each op, under each candidate plan: keep-least, keep-all,
+  parts, and ``CANDIDATES`` keep sets spread over the frontiers of the longest and the
+  shortest profiled length. At a predicted length a candidate is offered where it is the
+  planner's own plan there for its bytes, so the budget ``memory=`` sets gives that very plan.
 
 Fitted on three lengths (the smallest, the largest and the one nearest their middle), with
 exact rational arithmetic; the polynomial must have integer coefficients, and must reproduce
 every other profiled length exactly (bytes, FLOPs and costs are integers: equality, no
 tolerance). Anything else (a different number of ops, a plan that is not on the candidate
 list, tiles whose chunks are ``ceil(T / 4)`` tokens) is not predicted: :class:`LengthProfile`
-says why in ``failed``, and the callers profile that length itself.
+says why in ``failed``, and the callers profile that length itself. Tiles are offered only at
+profiled lengths.
 """
 
 import copy
@@ -108,6 +111,8 @@ class _Poly:
                 raise _Unfit(f"the fit from lengths {xs} does not reproduce length {x}")
 
     def __call__(self, t: int) -> np.ndarray:
+        if self.coef.size and int(np.abs(self.coef).max()) * (t * t + t + 1) >= 1 << 62:  # past int64: exact ints
+            return (self.coef.astype(object) @ np.array([t * t, t, 1], dtype=object)).astype(object)
         return self.coef @ np.array([t * t, t, 1], dtype=np.int64)
 
 
@@ -204,8 +209,7 @@ class LengthProfile:
         if any(k != keys[0] for k in keys):
             raise _Unfit("blocks group into kinds differently at different lengths")
         for p in profs:
-            if _structure(p.kinds[0].graph) != _structure(base.kinds[0].graph) or \
-                    any(_structure(a.graph) != _structure(b.graph) for a, b in zip(p.kinds, base.kinds)):
+            if any(_structure(a.graph) != _structure(b.graph) for a, b in zip(p.kinds, base.kinds)):
                 raise _Unfit("a block traces different ops at different lengths")
             if any(op.priced == "formula" and not float(op.cost).is_integer() for k in p.kinds for op in k.graph.ops):
                 raise _Unfit("op costs that are not FLOP formulas (cost='measured')")
