@@ -363,10 +363,12 @@ def _predicted(source: LengthProfile, t: int) -> Profile:
         # The candidates that are the planner's own plan at t for their bytes: a budget of that
         # many bytes gives gradaccel.checkpoint that very plan at t.
         found = {k.zero.key: k.zero}
+        region = set(graph.activations)
         for keep, run in runs.items():
             if keep in (KEEP_ALL, PARTS) or run is None:
                 continue
-            p = k.plan_at(max(1, plan_keeping(graph, keep).kept_bytes))
+            kept = {kind.graph.packs[i].storage for i, f in enumerate(keep) if f} & region
+            p = k.plan_at(max(1, sum(graph.storages[sid].nbytes for sid in kept)))  # the bytes it keeps at t
             if tuple(p.plan.keep) == keep and p.key not in found:
                 k._peaks[p.key] = run.at(t)
                 found[p.key] = p
