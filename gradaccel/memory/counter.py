@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel.recompute.storage import StorageMap, storage_key
 
-__all__ = ["LiveBytes", "StorageLog", "held_activation_bytes", "measured_peak", "parse_bytes", "format_bytes",
+__all__ = ["LiveBytes", "Trajectory", "StorageLog", "held_activation_bytes", "measured_peak", "parse_bytes", "format_bytes",
            "storage_bytes", "optimizer_state_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -135,6 +135,25 @@ class LiveBytes(TorchDispatchMode):
             start, peak = self.phases[self.phase]
             if self.live > peak:
                 self.phases[self.phase] = (start, self.live)
+        return out
+
+
+class Trajectory(LiveBytes):
+    """:class:`LiveBytes` that also records the live bytes after every op (``trace``) and where
+    each phase was set (``marks``: (index in ``trace``, label))."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace, self.marks = [], []
+
+    def set_phase(self, label) -> None:
+        super().set_phase(label)
+        self.marks.append((len(self.trace), label))
+        self.trace.append(self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.trace.append(self.live)
         return out
 
 

@@ -74,7 +74,13 @@ class Fit:
         """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
         must not be checkpointed already), computes its loss in chunks if ``chunked_loss``, and
         wraps ``optimizer`` in a ``FusedAccumOptimizer`` of ``accum_steps`` (``kwargs`` go to it).
-        Returns both."""
+        Returns both.
+
+        A training call at another sequence length than ``seq`` (same micro-batch) gets that
+        length's own plan, re-planned for the same target from the length profile
+        (gradaccel/memory/lengths.py: no fake-tensor run for lengths the fit profiled around, up to
+        ``seq``); a length past ``seq`` is profiled once on fake tensors (warned about).
+        Plans with offload keep their budgets at every length."""
         if self.chunked_loss and not install_head(model):
             raise ValueError("this plan computes the loss in chunks (chunked_loss), which needs a Hugging Face "
                              "causal LM with its stock loss")
@@ -83,6 +89,12 @@ class Fit:
         if len(blocks) != len(self.budgets):
             raise ValueError(f"model has {len(blocks)} blocks, the fit was made for {len(self.budgets)}")
         set_plans(model, blocks, self.chunked_loss, self.budgets)
+        planner = getattr(self, "_planner", None)  # set by Planner.fit; not a field (to_dict)
+        if planner is not None and not self.offload and self.memory is not None:
+            from gradaccel.memory.fit_lengths import FittedLengths
+
+            planner.lengths(self.seq, self.micro_batch, self.chunked_loss)  # profiled now, not mid-training
+            model.register_forward_pre_hook(FittedLengths(self, planner, blocks), with_kwargs=True)
         if not isinstance(optimizer, FusedAccumOptimizer):
             optimizer = FusedAccumOptimizer(optimizer, self.accum_steps, **kwargs)
         return model, optimizer
@@ -160,6 +172,7 @@ class Planner:
         self.static = static_parts(self.model, optim, master_weights, load_in_4bit)
         self.load_in_4bit, self.lora = load_in_4bit, lora
         self.profiles = {}
+        self._lengths = {}
         # The loss in chunks (gradaccel/memory/target.py's head mode) is an option for a causal LM
         # with the stock loss, profiled as the model computes it. Its price per token:
         self.head_flops = head_flops(self.profiled) if loss_fn is None else 0
@@ -182,8 +195,19 @@ class Planner:
                 batch = self.make_batch(micro_batch, seq)
             step = hf_step if self.loss_fn is None else functools.partial(_checked_loss, self.loss_fn)
             prepare = functools.partial(_chunk_loss, on=chunked_loss) if self.head_flops else None
-            self.profiles[key] = Profile(self.profiled, step, batch, prepare=prepare)
+            self.profiles[key] = Profile(self.profiled, step, batch, prepare=prepare, trajectories=True)
         return self.profiles[key]
+
+    def lengths(self, seq, micro_batch, chunked_loss=False):
+        """The step's profile at every length up to ``seq`` (gradaccel/memory/lengths.py), made from
+        profiles at a few lengths (``seq``'s own among them) and kept."""
+        from gradaccel.memory.lengths import LengthProfile, profile_lengths
+
+        key = (seq, micro_batch, chunked_loss)
+        if key not in self._lengths:
+            self._lengths[key] = LengthProfile(lambda t: self.profile(t, micro_batch, chunked_loss),
+                                               profile_lengths(seq) or [seq])
+        return self._lengths[key]
 
     def fronts(self, prof, offload=False) -> list:
         """Per block of the model, its kind's plans (``Profile.options``; ``offload``: with offload)."""
@@ -248,6 +272,7 @@ class Planner:
                 if off.step_cost < best.step_cost * 0.995:
                     off.memory, off.slack = memory, slack
                     best.options.append(off)
+            best._planner = self
             return best
         # Nothing fits: the least this step can take, with and without offload, and what would fit.
         worst, offload = (min((_least(setup, seq, batch, off, chunked) for chunked in {False, bool(setup.head_flops)}),

@@ -30,7 +30,7 @@ from gradaccel.recompute.plan import capture_rng, copy_device, offload_cost_per_
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.trace import DataReads, Graph
 from gradaccel.recompute.checkpoint import _Region, _plain
-from gradaccel.memory.counter import LiveBytes
+from gradaccel.memory.counter import LiveBytes, Trajectory
 from gradaccel.memory.parts import has_parts, has_tiles, set_parts
 from gradaccel.recompute.blocks import _find_blocks, _find_by_type
 
@@ -39,6 +39,12 @@ KEEP_ALL = "all"  # the plan of a block run without checkpointing
 # uncheckpointed and each of its children as a keep-nothing checkpoint (PARTS); and its
 # token-wise children (MLPs) a chunk of tokens at a time (TILES).
 PARTS, TILES = "parts", "tiles"
+RUNS = [0]  # fake-tensor profiles made in this process (one per Profile): what planning costs
+
+
+def profile_runs() -> int:
+    """How many fake-tensor profiles (:class:`Profile`, one per input shape) this process made."""
+    return RUNS[0]
 
 
 def fake_mode():
@@ -109,6 +115,7 @@ class Kind:
     input_grads: tuple = ()  # which tensor inputs require grad, in the traced call
     _peaks: dict = dataclasses.field(default_factory=dict)
     _options: list = None  # the parts plans (Profile.options)
+    events: dict = dataclasses.field(default_factory=dict)  # point key -> (live bytes after each op, forward's end)
 
     @functools.cached_property
     def frontier(self) -> list:
@@ -167,10 +174,14 @@ class Profile:
         grad_hooks: free each parameter's ``.grad`` as soon as it is accumulated, as
             ``FusedAccumOptimizer``'s fold does (True), or leave grads to pile up (False).
         prepare: called with the fake model before it runs (to switch a mode on, say).
+        trajectories: also record the live bytes after every op of each run (the skeleton's in
+            ``events``, each block run's in ``Kind.events``), for gradaccel/memory/lengths.py.
     """
 
     def __init__(self, model: nn.Module, step, batch, grad_hooks: bool = True, skeleton: bool = True,
-                 prepare=None):
+                 prepare=None, trajectories: bool = False):
+        RUNS[0] += 1
+        self.trajectories = trajectories
         first = next(iter(model.parameters()), None)
         if first is not None and hasattr(first, "fake_mode"):  # already fake: ours, used as is
             self.mode, self.model = first.fake_mode, model
@@ -199,6 +210,11 @@ class Profile:
         self._trace_pass()
         if skeleton:
             self._skeleton_pass()
+
+    def _live_bytes(self):
+        if not self.trajectories:
+            return LiveBytes()
+        return Trajectory()
 
     # -- running blocks our way ------------------------------------------------------------
     def _install(self, runner):
@@ -288,7 +304,7 @@ class Profile:
         n = len(self.blocks)
         self.plans = [self.kind_of[i].zero.plan for i in range(n)]
         self.pre, self.held = [0] * n, [0] * n
-        self.live = LiveBytes()
+        self.live = self._live_bytes()
         originals = self._install(self._skeleton_block)
         handles = self._grad_hooks()
         try:
@@ -303,6 +319,8 @@ class Profile:
             for h in handles:
                 h.remove()
         self.phases = dict(self.live.phases)
+        if self.trajectories:
+            self.events = (self.live.trace, self.live.marks)
 
     def _grad_hooks(self):
         if not self.grad_hooks:
@@ -323,7 +341,7 @@ class Profile:
             block = self.blocks[kind.blocks[0]]
             forward = _plain_forward(block)
             plan = KEEP_ALL if point == KEEP_ALL else point.plan
-            live, handles = LiveBytes(), self._grad_hooks()
+            live, handles = self._live_bytes(), self._grad_hooks()
             previous, STATE.previous_offload = STATE.previous_offload, None  # run alone: no neighbour
             # Gradients are made afresh, as in a step: none left from the last run to add into.
             leaves = list(block.parameters()) + [t for t in tree_flatten((kind.args, kind.kwargs))[0]
@@ -333,7 +351,7 @@ class Profile:
             try:
                 with self.mode, torch.enable_grad(), live:
                     out = _run_plan(forward, plan, kind.args, kind.kwargs)
-                    forward_peak, held = live.peak, live.live
+                    forward_peak, held, forward_end = live.peak, live.live, len(getattr(live, "trace", ()))
                     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
                     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
                     del out, outs
@@ -344,6 +362,8 @@ class Profile:
                 for t in leaves:
                     t.grad = None
             kind._peaks[key] = (forward_peak, live.peak, held)
+            if self.trajectories:
+                kind.events[key] = (live.trace, forward_end)
         return kind._peaks[key][1]
 
     def block_forward_peak(self, kind: Kind, point) -> int:

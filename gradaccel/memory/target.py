@@ -41,11 +41,13 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
 from gradaccel.memory.parts import install_parts, set_parts
-from gradaccel.memory.profile import PARTS, TILES, Profile, find_blocks
+from gradaccel.memory.profile import PARTS, TILES, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute
 
 __all__ = ["MemoryTarget", "set_plans"]
 
+SEEN = 1024  # input shapes whose plan memory= keeps; past it, the oldest goes
+PREDICT_LENGTHS = True  # False: profile each new input shape on fake tensors (before 2026-12; for bench/)
 _busy = threading.local()
 
 
@@ -100,6 +102,7 @@ class MemoryTarget:
         self.memory = memory
         self.seen = {}
         self.chosen = {}
+        self.lengths = {}  # structure key -> LengthProfile (gradaccel/memory/lengths.py)
         for b in blocks:
             install_parts(b)
         self.has_head = install_head(model)
@@ -119,19 +122,61 @@ class MemoryTarget:
             finally:
                 _busy.on = False
                 torch.clear_autocast_cache()
+            for cache in (self.seen, self.chosen):  # one entry per length seen: the oldest go first
+                while len(cache) > SEEN:
+                    cache.pop(next(iter(cache)))
         head, settings = self.seen[key]
         # The loss computed outside the model (no labels): logits as they are.
         self._set(module, blocks, head and kwargs.get("labels") is not None, settings)
         return None
 
+    def _profile(self, module, args, kwargs, head, predict=True):
+        """The step's profile at this call's length: predicted from the structure's profiles
+        at other lengths (gradaccel/memory/lengths.py) where it can be, else a fake-tensor run."""
+        from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
+        from gradaccel.memory.profile import Profile
+
+        def run(a, kw):
+            return Profile(module, _step, (a, kw), grad_hooks=False, prepare=lambda m: set_head(m, head),
+                           trajectories=True)
+
+        length, structure = length_of(tree_flatten((args, kwargs))[0])
+        if length is None or not PREDICT_LENGTHS or not predict:
+            return run(args, kwargs)
+        # The loss in chunks is its own structure; where its number of chunks follows the length
+        # (a large vocabulary), the fit fails and each length is profiled.
+        structure = (structure, head)
+        lp = self.lengths.get(structure)
+        if lp is None:
+            lengths = profile_lengths(length)
+            if lengths is None:
+                return run(args, kwargs)
+            try:
+                lp = LengthProfile(lambda t: run(*at_length((args, kwargs), length, t)), lengths)
+            except Exception as e:  # the model does not run at other lengths: per length, as before
+                lp = _Unprofiled(repr(e))
+            self.lengths[structure] = lp
+            if lp.failed is not None:
+                warnings.warn(f"gradaccel.checkpoint_blocks(memory=...): the step's profile is not predicted across "
+                              f"lengths ({lp.failed}); each new length is profiled on fake tensors.", UserWarning,
+                              stacklevel=5)
+        try:
+            if lp.failed is None and not lp.covers(length):
+                lp.extend(length)  # one fake-tensor run, checked against the fit: covered from now on
+            if lp.covers(length):
+                return lp.at(length)
+        except Exception as e:  # noqa: BLE001 (a length the fit cannot predict: profiled itself)
+            lp.failed = repr(e)
+        return run(args, kwargs)
+
     @staticmethod
     def _set(model, blocks, head, settings):
         set_plans(model, blocks, head, settings)
 
-    def _choose(self, module, args, kwargs):
+    def _choose(self, module, args, kwargs, predict=True):
 
         def plan(head):
-            prof = Profile(module, _step, (args, kwargs), grad_hooks=False, prepare=lambda m: set_head(m, head))
+            prof = self._profile(module, args, kwargs, head, predict)
             opts = [prof.options(prof.kind_of[i]) for i in range(len(prof.blocks))]
             return prof, opts, least_recompute(prof, opts, self.memory)
 
@@ -151,7 +196,13 @@ class MemoryTarget:
             head = min(least, key=lambda h: tried[h][0].predict(least[h])["peak"])
             prof, points = tried[head][0], least[head]
         peak = prof.predict(points)["peak"]
-        if not fitting:
+        # The split works on estimated block peaks; the least-peak plan's exact peak may fit where
+        # its estimate did not: it is then the plan, without a warning.
+        if not fitting and peak > self.memory and any(hasattr(t[0], "_source") for t in tried.values()):
+            # A predicted profile offers fewer plans than a profile of this length (the candidates
+            # fitted across lengths): before going over the target, profile this length itself.
+            return self._choose(module, args, kwargs, predict=False)
+        if not fitting and peak > self.memory:
             warnings.warn(f"gradaccel.checkpoint_blocks: memory={self.memory} bytes is below the least this step can "
                           f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors); using that plan. "
                           "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
@@ -159,6 +210,13 @@ class MemoryTarget:
         used = {s for s in settings if s in (PARTS, TILES)}
         mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", TILES in used), ("head", head)) if on)
         return (head, settings), (mode or "blocks", peak, floor)
+
+
+class _Unprofiled:
+    """A structure whose profile at other lengths could not be made: every length is its own."""
+
+    def __init__(self, reason):
+        self.failed = reason
 
 
 def _setting(point, kind, *parts_plans):

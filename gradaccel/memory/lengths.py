@@ -1,0 +1,407 @@
+"""A step's profile as a function of the sequence length: fake-tensor profiles at a few lengths,
+every quantity fitted as an exact polynomial in the length, and a profile at any other length
+predicted from them without running anything.
+
+A step at length ``T`` runs the same ops in the same order at every ``T`` (same structure), and
+every tensor's bytes are a product of sizes, each affine in ``T``: a polynomial of degree 2 at
+most (attention scores ``B*H*T*T``; everything else linear). So is every *moment* of a run: the
+live bytes after each op. A phase's peak is the largest moment, which need not be one polynomial
+(weights' gradients may dominate at short lengths, attention at long ones), so what is fitted is
+each moment, and a peak at ``T`` is the max of the moments evaluated at ``T``: exact.
+
+What is fitted, per structure (blocks of one kind trace alike):
+
+- each kind's graph: every storage's bytes, every op's FLOPs and planner cost (the roofline
+  cost is FLOPs plus bytes times an integer balance). The plan at ``T`` is then the C++
+  planner's own, on that graph: what ``gradaccel.checkpoint`` plans at ``T`` for the same
+  budget;
+- the skeleton run (every block keep-nothing) after each op, and its phase marks;
+- each block run alone, after each op, under each candidate plan: keep-least, keep-all,
+  parts, and ``CANDIDATES`` keep sets spread over the frontiers of the longest and the
+  shortest profiled length. At a predicted length a candidate is offered where it is the
+  planner's own plan there for its bytes, so the budget ``memory=`` sets gives that very plan.
+
+Fitted on three lengths (the smallest, the largest and the one nearest their middle), with
+exact rational arithmetic; the polynomial must have integer coefficients, and must reproduce
+every other profiled length exactly (bytes, FLOPs and costs are integers: equality, no
+tolerance). Anything else (a different number of ops, a plan that is not on the candidate
+list, tiles whose chunks are ``ceil(T / 4)`` tokens) is not predicted: :class:`LengthProfile`
+says why in ``failed``, and the callers profile that length itself. Tiles are offered only at
+profiled lengths.
+"""
+
+import copy
+import dataclasses
+import math
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_map
+
+from gradaccel.memory.profile import KEEP_ALL, PARTS, Kind, Point, Profile
+
+__all__ = ["LengthProfile", "profile_lengths", "length_of", "at_length"]
+
+
+def profile_lengths(longest: int, shortest: int | None = None) -> list | None:
+    """The lengths to profile for ``[shortest, longest]``: both ends, a middle one, and one more
+    to check the fit (None where the range is too short to hold four lengths)."""
+    shortest = max(4, longest // 16) if shortest is None else max(2, shortest)
+    if longest - shortest < 3:
+        return None
+    mid = (shortest + longest) // 2
+    check = (mid + longest + 1) // 2
+    if check in (mid, longest):
+        check = mid + 1
+    return sorted({shortest, mid, check, longest})
+
+
+CANDIDATES = 12  # plans per kind taken from each end's frontier and fitted across lengths
+
+
+class _Unfit(Exception):
+    pass
+
+
+class _Poly:
+    """Rows of integers measured at the same lengths, as integer polynomials of degree <= 2."""
+
+    def __init__(self, lengths, rows):
+        rows = [list(r) for r in rows]
+        if len({len(r) for r in rows}) > 1:
+            raise _Unfit("a different number of ops at different lengths")
+        values = np.array(rows, dtype=object).T if rows and rows[0] else np.zeros((0, len(lengths)), dtype=object)
+        if len(lengths) < 4:
+            raise _Unfit("fewer than four lengths profiled (three to fit, one to check)")
+        xs = [lengths[0], min(lengths[1:-1], key=lambda x: abs(2 * x - lengths[0] - lengths[-1])), lengths[-1]]
+        cols = [lengths.index(x) for x in xs]
+        # Lagrange over a common denominator: everything stays an exact Python int.
+        dens = [math.prod(xs[k] - xs[j] for j in range(3) if j != k) for k in range(3)]
+        den = abs(math.lcm(*dens))
+        coef = np.zeros((values.shape[0], 3), dtype=object)
+        for k in range(3):
+            a, b = (xs[j] for j in range(3) if j != k)
+            basis = np.array([1, -(a + b), a * b], dtype=object) * (den // dens[k])
+            coef = coef + np.outer(values[:, cols[k]], basis) if values.size else coef
+        if values.size and any(c % den for c in coef.ravel()):
+            raise _Unfit("sizes that are not integer polynomials of the length")
+        self.coef = np.array([[c // den for c in row] for row in coef], dtype=np.int64).reshape(-1, 3)
+        for i, x in enumerate(lengths):
+            if i not in cols and values.size and not np.array_equal(self(x), values[:, i].astype(np.int64)):
+                raise _Unfit(f"the fit from lengths {xs} does not reproduce length {x}")
+
+    def __call__(self, t: int) -> np.ndarray:
+        if self.coef.size and int(np.abs(self.coef).max()) * (t * t + t + 1) >= 1 << 62:  # past int64: exact ints
+            return (self.coef.astype(object) @ np.array([t * t, t, 1], dtype=object)).astype(object)
+        return self.coef @ np.array([t * t, t, 1], dtype=np.int64)
+
+
+@dataclasses.dataclass
+class _Run:
+    """One block run alone under one plan, at every profiled length: its moments, fitted."""
+
+    moments: _Poly
+    forward_end: int
+    held: _Poly
+
+    def at(self, t: int) -> tuple:
+        m = self.moments(t)
+        fwd = int(m[:self.forward_end].max(initial=0))
+        return fwd, int(m.max(initial=0)), int(self.held(t)[0])
+
+
+def plan_keeping(graph, keep: tuple):
+    """The plan of ``graph`` that keeps the saved tensors ``keep`` says (per pack), whatever the
+    budget: a plan found at one length, made for another."""
+    from gradaccel.recompute.plan import _build, _problem
+
+    storages, region = graph.storages, graph.activations
+    inside = set(region)
+    packed = {p.storage for p in graph.packs}
+    available = [s.creator < 0 or (i in packed and i not in inside) for i, s in enumerate(storages)]
+    kept = {graph.packs[k].storage for k, f in enumerate(keep) if f} & inside
+    final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
+    problem = _problem(graph, available, region, [storages[s].nbytes for s in region], [final[s] for s in region])
+    cost, steps = problem.replay([s in kept for s in region])
+    return _build(graph, region, available, kept, set(), steps, cost, True, True, 0)
+
+
+def _structure(graph) -> tuple:
+    return (tuple((str(op.func), tuple(op.reads), tuple(op.new_storages), op.replayable, op.random) for op in graph.ops),
+            tuple((p.storage, p.value) for p in graph.packs), tuple(graph.activations), tuple(sorted(graph.outputs.items())),
+            tuple(s.creator for s in graph.storages))
+
+
+class LengthProfile:
+    """Profiles of one step structure at several lengths, and the profile at any length
+    between the shortest and the longest, predicted (:meth:`at`).
+
+    Args:
+        make: ``make(length) -> Profile`` (with ``trajectories=True``): one fake-tensor run.
+        lengths: at least four lengths (:func:`profile_lengths`).
+
+    Attributes:
+        failed: why lengths other than the profiled ones cannot be predicted, or None.
+        profiles: length -> its :class:`Profile` (the profiled lengths are used as they are).
+    """
+
+    def __init__(self, make, lengths: list):
+        self.make, self.failed = make, None
+        self.profiles = {}
+        self.block_runs = 0  # block runs at profiled lengths made after the first fit (lazily)
+        self._fits = None
+        try:
+            for t in sorted(lengths):
+                self._run(t)
+            self._fit()
+        except _Unfit as e:
+            self.failed = str(e)
+
+    @property
+    def lengths(self) -> list:
+        return sorted(self.profiles)
+
+    def covers(self, t: int) -> bool:
+        """Whether the profile at ``t`` is known without a fake-tensor run."""
+        return t in self.profiles or (self.failed is None and self.lengths[0] <= t <= self.lengths[-1])
+
+    def extend(self, t: int) -> None:
+        """Profiles length ``t`` (one fake-tensor run) and checks the fit reproduces it: where it
+        does, lengths up to (down to) ``t`` are covered."""
+        self._run(t)
+        if self.failed is None:
+            try:
+                self._fit()
+            except _Unfit as e:
+                self.failed = str(e)
+
+    def _run(self, t):
+        prof = self.make(t)
+        prof._length = t
+        self.profiles[t] = prof
+
+    # -- fitting ---------------------------------------------------------------------------------
+    def _fit(self):
+        lengths = self.lengths
+        profs = [self.profiles[t] for t in lengths]
+        base = profs[-1]
+        keys = [[(k.key, tuple(k.blocks)) for k in p.kinds] for p in profs]
+        if any(k != keys[0] for k in keys):
+            raise _Unfit("blocks group into kinds differently at different lengths")
+        for p in profs:
+            if any(_structure(a.graph) != _structure(b.graph) for a, b in zip(p.kinds, base.kinds)):
+                raise _Unfit("a block traces different ops at different lengths")
+            if any(op.priced == "formula" and not float(op.cost).is_integer() for k in p.kinds for op in k.graph.ops):
+                raise _Unfit("op costs that are not FLOP formulas (cost='measured')")
+            if [m for _, m in p.events[1]] != [m for _, m in base.events[1]] or \
+                    [i for i, _ in p.events[1]] != [i for i, _ in base.events[1]]:
+                raise _Unfit("the step sets its phases differently at different lengths")
+        fits = {"kinds": []}
+        for j, kind in enumerate(base.kinds):
+            ks = [p.kinds[j] for p in profs]
+            graph = _Poly(lengths, [[s.nbytes for s in k.graph.storages] for k in ks])
+            # Ops priced by a formula are fitted; an op timed in its trace (one outside aten, or
+            # a metadata query such as prim.device) keeps the longest length's price.
+            priced = [i for i, op in enumerate(kind.graph.ops) if op.priced == "formula"]
+            flops = _Poly(lengths, [[k.graph.ops[i].flops for i in priced] for k in ks])
+            cost = _Poly(lengths, [[int(k.graph.ops[i].cost) for i in priced] for k in ks])
+            # The candidate plans, run at every profiled length: keep-all, keep-least, and
+            # ``CANDIDATES`` plans spread over the frontiers of the longest and the shortest
+            # length (and any fitted since: :meth:`peaks`).
+            zero = tuple(kind.zero.plan.keep)
+            old = self._fits["kinds"][j]["runs"] if self._fits else {}
+            keeps = {zero: None}
+            for k in (ks[-1], ks[0]):
+                front = k.frontier
+                for i in sorted({round(x * (len(front) - 1) / (CANDIDATES - 1)) for x in range(CANDIDATES)}):
+                    keeps.setdefault(tuple(front[i].plan.keep), None)
+            keeps.update((k, None) for k in old if k not in (KEEP_ALL, PARTS))
+            runs = {KEEP_ALL: self._runs(profs, j, lambda k: KEEP_ALL)}
+            for keep in keeps:
+                runs[keep] = self._runs(profs, j, lambda k, keep=keep: _keeping(k, keep))
+            for p, k in zip(profs, ks):
+                p.options(k)  # parts (and tiles) runs, as the profile makes them
+            if all(PARTS in k._peaks for k in ks):
+                runs[PARTS] = self._runs(profs, j, lambda k: PARTS)
+            fits["kinds"].append({"nbytes": graph, "flops": flops, "cost": cost, "priced": priced, "runs": runs,
+                                  "zero": zero})
+        fits["moments"] = _Poly(lengths, [p.events[0] for p in profs])
+        fits["marks"] = base.events[1]
+        fits["pre"] = _Poly(lengths, [p.pre for p in profs])
+        fits["held"] = _Poly(lengths, [p.held for p in profs])
+        fits["end"] = _Poly(lengths, [[p.end_forward] for p in profs])
+        self._fits = fits
+
+    def peaks(self, j: int, keep: tuple, t: int) -> tuple | None:
+        """(forward peak, peak, held after forward) of a block of kind ``j`` run alone at length
+        ``t`` under the plan that keeps ``keep``; fitted from block runs at the profiled lengths
+        the first time it is asked for. None where that plan's runs are not polynomial."""
+        runs = self._fits["kinds"][j]["runs"]
+        if keep not in runs:
+            profs = [self.profiles[x] for x in self.lengths]
+            self.block_runs += len(profs)
+            try:
+                runs[keep] = self._runs(profs, j, lambda k: _keeping(k, keep))
+            except (_Unfit, RuntimeError):
+                runs[keep] = None
+        return None if runs[keep] is None else runs[keep].at(t)
+
+    @staticmethod
+    def _runs(profs, j, point_of) -> _Run:
+        rows, held, ends = [], [], set()
+        for p in profs:
+            kind = p.kinds[j]
+            point = point_of(kind)
+            if point != PARTS:  # the parts run is made by Profile.options
+                p.block_peak(kind, point)
+            key = point if point in (KEEP_ALL, PARTS) else point.key
+            trace, end = kind.events[key]
+            rows.append(trace)
+            held.append([kind._peaks[key][2]])
+            ends.add(end)
+        if len(ends) != 1:
+            raise _Unfit("a block's forward runs a different number of ops at different lengths")
+        lengths = [p._length for p in profs]
+        return _Run(_Poly(lengths, rows), ends.pop(), _Poly(lengths, held))
+
+    # -- predicting --------------------------------------------------------------------------------
+    def at(self, t: int) -> Profile:
+        """The profile at length ``t``: a profiled one as it is, else predicted (no run).
+
+        Raises:
+            ValueError: ``t`` is not covered (:meth:`covers`).
+        """
+        if t in self.profiles:
+            return self.profiles[t]
+        if not self.covers(t):
+            raise ValueError(f"length {t} is not covered by the profiled lengths {self.lengths}")
+        return _predicted(self, t)
+
+
+def _keeping(kind: Kind, keep: tuple) -> Point:
+    """``kind``'s plan keeping ``keep``, as a Point keyed by the keep set."""
+    plan = plan_keeping(kind.graph, keep)
+    replay = sum(kind.graph.storages[s].nbytes for i in plan.steps for s, _ in kind.graph.ops[i].new_storages)
+    return Point(("keep", keep), plan.kept_bytes, plan.cost, plan.recompute_flops, replay, plan)
+
+
+class _Predicted(Profile):
+    """A :class:`Profile` at a length that was not run: every figure from the fitted moments."""
+
+    def block_peak(self, kind, point) -> int:
+        key = KEEP_ALL if point == KEEP_ALL else point.key
+        if key not in kind._peaks:
+            found = self._source.peaks(self.kinds.index(kind), tuple(point.plan.keep), self._length)
+            # A plan whose runs are not polynomial in the length: never chosen.
+            kind._peaks[key] = found if found is not None else (_NEVER, _NEVER, 0)
+        return kind._peaks[key][1]
+
+    def block_forward_peak(self, kind, point) -> int:
+        self.block_peak(kind, point)
+        return kind._peaks[KEEP_ALL if point == KEEP_ALL else point.key][0]
+
+    def block_peak_estimate(self, kind, point) -> int:
+        return self.block_peak(kind, point)  # the exact peak is known: no estimate needed
+
+    def need(self, terms: dict, i: int, point, exact: bool = True) -> tuple:
+        # Every candidate's peaks are fitted, so the split works on exact figures throughout.
+        return super().need(terms, i, point, True)
+
+    def options(self, kind, offload: bool = False) -> list:
+        if offload:
+            raise ValueError("offload plans are not predicted across lengths")
+        return kind.frontier + (kind._options or [])
+
+
+_NEVER = 1 << 62
+
+
+def _predicted(source: LengthProfile, t: int) -> Profile:
+    base, fits = source.profiles[source.lengths[-1]], source._fits
+    prof = object.__new__(_Predicted)
+    prof._source = source
+    prof.mode, prof.model, prof.step, prof.batch = base.mode, base.model, base.step, base.batch
+    prof.blocks, prof.grad_hooks, prof.trajectories, prof._terms = base.blocks, base.grad_hooks, False, {}
+    prof._length = t
+    prof.kinds = []
+    for kind, fit in zip(base.kinds, fits["kinds"]):
+        graph = copy.copy(kind.graph)
+        flops, cost = fit["flops"](t), fit["cost"](t)
+        graph.storages = [dataclasses.replace(s, nbytes=int(b)) for s, b in zip(kind.graph.storages, fit["nbytes"](t))]
+        graph.ops = list(kind.graph.ops)
+        for i, f, c in zip(fit["priced"], flops, cost):
+            graph.ops[i] = dataclasses.replace(graph.ops[i], flops=int(f), cost=float(c))
+        graph.activation_bytes = sum(graph.storages[s].nbytes for s in graph.activations)
+        k = Kind(kind.key, list(kind.blocks), graph, kind.args, kind.kwargs, input_grads=kind.input_grads)
+        k.forward_cost = sum(op.cost for op in graph.ops)
+        k.zero = k.plan_at(1)
+        runs = fit["runs"]
+        if tuple(k.zero.plan.keep) != fit["zero"]:
+            raise ValueError(f"at length {t} the keep-least plan is not the profiled one")
+        k._peaks[k.zero.key] = runs[fit["zero"]].at(t)
+        k._peaks[KEEP_ALL] = runs[KEEP_ALL].at(t)
+        # The candidates that are the planner's own plan at t for their bytes: a budget of that
+        # many bytes gives gradaccel.checkpoint that very plan at t.
+        found = {k.zero.key: k.zero}
+        region = set(graph.activations)
+        for keep, run in runs.items():
+            if keep in (KEEP_ALL, PARTS) or run is None:
+                continue
+            kept = {kind.graph.packs[i].storage for i, f in enumerate(keep) if f} & region
+            p = k.plan_at(max(1, sum(graph.storages[sid].nbytes for sid in kept)))  # the bytes it keeps at t
+            if tuple(p.plan.keep) == keep and p.key not in found:
+                k._peaks[p.key] = run.at(t)
+                found[p.key] = p
+        front = []  # keep-least first; then each plan keeps more and recomputes less
+        for p in sorted(found.values(), key=lambda p: (p.kept, p is not k.zero)):
+            if not front or p.cost < front[-1].cost:
+                front.append(p)
+        k.__dict__["frontier"] = front
+        k._options = []
+        if PARTS in runs:
+            k._peaks[PARTS] = runs[PARTS].at(t)
+            point = Point(PARTS, k.zero.kept, k.zero.cost, k.zero.flops, 0, PARTS)
+            point.kept += k._peaks[PARTS][2] - k._peaks[k.zero.key][2]
+            k._options.append(point)
+        prof.kinds.append(k)
+    prof.kind_of = {i: k for k in prof.kinds for i in k.blocks}
+    moments = fits["moments"](t)
+    phases, label, bounds = {}, None, [i for i, _ in fits["marks"]] + [len(moments)]
+    for (start, label), end in zip(fits["marks"], bounds[1:]):
+        first, peak = phases.get(label, (int(moments[start]), 0))
+        phases[label] = (first, max(peak, int(moments[start:end].max(initial=0))))
+    prof.phases = phases
+    prof.pre = [int(v) for v in fits["pre"](t)]
+    prof.held = [int(v) for v in fits["held"](t)]
+    prof.end_forward = int(fits["end"](t)[0])
+    return prof
+
+
+# -- the length of a call ------------------------------------------------------------------------
+def length_of(flat: list) -> tuple:
+    """(sequence length, structure key) of a call's flattened arguments, or (None, None).
+
+    The length is dimension 1 of the first 2-d integer tensor (token ids, ``(batch, length)``),
+    else of the first 3-d floating tensor (``(batch, length, channels)``). The structure key is
+    the tensors' shapes with every dimension equal to the length left out, and their dtypes."""
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+    first = next((t for t in tensors if t.dim() == 2 and not t.is_floating_point()), None)
+    if first is None:
+        first = next((t for t in tensors if t.dim() == 3 and t.is_floating_point()), None)
+    if first is None:
+        return None, None
+    t_len = first.shape[1]
+    key = tuple((tuple(None if d == t_len else d for d in t.shape), t.dtype, t.requires_grad) for t in tensors)
+    return t_len, key
+
+
+def at_length(tree, old: int, new: int):
+    """``tree`` with each tensor replaced by zeros whose dimensions equal to ``old`` are ``new``
+    (only shapes and dtypes matter to a fake-tensor profile)."""
+    def resize(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = tuple(new if d == old else d for d in t.shape)
+        return torch.zeros(shape, dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+
+    return tree_map(resize, tree)

@@ -1,0 +1,169 @@
+"""memory= and fit's applied plan across sequence lengths (gradaccel/memory/lengths.py): the profile at
+a length that was not run is predicted exactly, every length gets its own plan within the
+target, gradients are those without checkpointing, and no fake-tensor profile runs per length."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradaccel
+from gradaccel.memory.split import least_recompute
+from gradaccel.memory.lengths import LengthProfile, profile_lengths
+from gradaccel.memory.profile import KEEP_ALL, Profile, profile_runs
+from gradaccel.memory.target import MemoryTarget, _step
+from gradaccel.memory.counter import LiveBytes, measured_peak
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(layers=2):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=80, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                   max_position_embeddings=512)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+class _GPTBlock(torch.nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5  # materialised: quadratic in t
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class _GPT(torch.nn.Module):
+    """Not a Hugging Face model (no loss in chunks): token ids in, logits out."""
+
+    def __init__(self, vocab=64, width=32, heads=4, layers=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(_GPTBlock(width, heads) for _ in range(layers))
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_predicted_profile_equals_the_profile_at_that_length():
+    """Fitted at four lengths, the profile at another equals a fake-tensor run there: the
+    step's phases, each candidate plan (the planner's own plan at that length for its bytes)
+    with its block peaks, and so the peak of any split, to the byte."""
+    model = _llama(layers=2)
+
+    def make(t):
+        ids = torch.zeros(1, t, dtype=torch.long)
+        return Profile(model, _step, ((), {"input_ids": ids, "labels": ids, "use_cache": False}), grad_hooks=False,
+                       trajectories=True)
+
+    lp = LengthProfile(make, profile_lengths(64))
+    assert lp.failed is None and len(lp.lengths) == 4
+    t = 41
+    assert t not in lp.lengths and lp.covers(t)
+    pred, real = lp.at(t), make(t)
+    assert pred.phases == real.phases and pred.pre == real.pre and pred.held == real.held
+    for kp, kr in zip(pred.kinds, real.kinds):
+        assert len(kp.frontier) >= 4
+        for p in kp.frontier:  # equality, not a tolerance: bytes, FLOPs and costs are integers
+            q = kr.plan_at(p.budget)
+            assert (p.kept, p.cost, p.flops, p.replay_bytes, p.plan.keep) == (q.kept, q.cost, q.flops, q.replay_bytes,
+                                                                             q.plan.keep)
+            assert (pred.block_forward_peak(kp, p), pred.block_peak(kp, p)) == \
+                   (real.block_forward_peak(kr, q), real.block_peak(kr, q))
+        assert pred.block_peak(kp, KEEP_ALL) == real.block_peak(kr, KEEP_ALL)
+    full = real.predict([real.kind_of[i].frontier[-1] for i in range(len(real.blocks))])["peak"]
+    for frac in (0.8, 0.95):
+        memory = int(frac * full)
+        a = least_recompute(pred, [pred.options(pred.kind_of[i]) for i in range(len(pred.blocks))], memory)
+        b = least_recompute(real, [real.options(real.kind_of[i]) for i in range(len(real.blocks))], memory)
+        assert a is not None and b is not None
+        same = [real.kind_of[i].plan_at(p.budget) if isinstance(p.budget, int) else
+                next(o for o in real.options(real.kind_of[i]) if o.plan == p.plan) for i, p in enumerate(a)]
+        assert pred.predict(a)["peak"] == real.predict(same)["peak"] <= memory
+    assert lp.block_runs == 0  # nothing run for the prediction
+
+
+def _train_peak(model, ids):
+    model.zero_grad(set_to_none=True)
+    with LiveBytes() as live:
+        model(ids).float().sum().backward()
+    return live.peak
+
+
+def test_memory_holds_at_every_length_without_profiling_each():
+    """memory= on a model trained at many lengths: after the first call, no fake-tensor profile
+    for a length inside the profiled range; each length's measured peak is under the target
+    and its gradients are those without checkpointing. A length past the longest seen is
+    profiled once, and the lengths up to it are covered from then on."""
+    gradaccel.reset_plans()
+    ref, model = _GPT(), _GPT()
+    ids = {t: torch.randint(0, 64, (1, t), generator=torch.Generator().manual_seed(t))
+           for t in (16, 37, 101, 127, 128, 150, 160)}
+    memory = int(0.97 * _train_peak(ref, ids[160]))
+    gradaccel.checkpoint_blocks(model, memory=memory)
+    target = next(h for h in model._forward_pre_hooks.values() if isinstance(h, MemoryTarget))
+    before = profile_runs()
+    _train_peak(model, ids[128])
+    runs = profile_runs()
+    assert runs - before == 4  # the profiled lengths: 8, 68, 98, 128
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="gradaccel")  # none of ours: the target fits at each length
+        for t in (16, 37, 101, 127, 128, 160, 150):
+            model(ids[t])  # plans this length
+            assert profile_runs() == runs + (t in (160, 150)), t  # 160: past the longest seen, profiled once
+            peak = _train_peak(model, ids[t])
+            ref_peak = _train_peak(ref, ids[t])
+            assert peak <= memory, (t, peak, memory)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+            (mode, predicted, _), = [v for k, v in target.chosen.items() if k == (((1, t), torch.int64),)]
+            assert predicted <= memory and (ref_peak <= memory or predicted < ref_peak)
+    assert _train_peak(ref, ids[16]) <= memory < _train_peak(ref, ids[160])  # some lengths need no checkpoint
+
+
+def test_fit_applies_a_plan_per_length_up_to_seq():
+    """fit(seq=128)'s applied plan at shorter lengths: re-planned per length for the same
+    target, with no fake-tensor profile once applied; under the target at each, stock gradients,
+    and at a short length the plan keeps more than the fitted byte budgets would say."""
+    from gradaccel.memory.fit import Planner, hf_step
+
+    gradaccel.reset_plans()
+    shape_model = _llama(layers=3)
+    planner = Planner(shape_model, optim=torch.optim.SGD(shape_model.parameters(), lr=0.1), loss_fn=hf_step)
+    least = planner.estimate(128, 1, 1).peak
+    most = planner.estimate(128, 1, 1.0).peak
+    memory = (least + most) // 2
+    result = planner.fit(128, 1, memory, slack=0)
+    assert result.fits and not result.chunked_loss
+    model, ref = _llama(layers=3), _llama(layers=3)
+    model, opt = result.apply(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    runs = profile_runs()
+    hook = next(h for h in model._forward_pre_hooks.values() if type(h).__name__ == "FittedLengths")
+    for t in (9, 70, 128):
+        ids = torch.randint(0, 96, (1, t), generator=torch.Generator().manual_seed(t))
+        batch = {"input_ids": ids, "labels": ids}
+        real = measured_peak(model, opt, hf_step, batch)
+        assert real <= memory, (t, real, memory)
+        loss, ref_loss = hf_step(model, batch), hf_step(ref, batch)
+        torch.testing.assert_close(loss, ref_loss)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        for g, q in zip(grads, torch.autograd.grad(ref_loss, list(ref.parameters()))):
+            torch.testing.assert_close(g, q, rtol=1e-4, atol=1e-6)
+    assert profile_runs() == runs and not hook.profiled
+    assert hook.plans[128] == result.budgets  # the fitted length: the fitted plan, unchanged
+    assert hook.plans[9] != result.budgets
