@@ -215,11 +215,16 @@ def _isolated():
 
     saved, _split._ACTIVE[:] = list(_split._ACTIVE), []
     _FAKE_PASS.append(True)
+    # Under autocast, a weight's cast is cached for the whole autocast region: a cast made on fake
+    # tensors must not be cached, or the real forward after the pass would read the fake one.
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
     try:
         with _disable_current_modes(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        torch.set_autocast_cache_enabled(cache)
         _FAKE_PASS.pop()
         _split._ACTIVE[:] = saved
 
