@@ -215,16 +215,28 @@ def _isolated():
 
     saved, _split._ACTIVE[:] = list(_split._ACTIVE), []
     _FAKE_PASS.append(True)
+    # Under autocast, a weight's cast is cached for the whole autocast region: a cast made on fake
+    # tensors must not be cached, or the real forward after the pass would read the fake one.
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
     try:
         with _disable_current_modes(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        torch.set_autocast_cache_enabled(cache)
         _FAKE_PASS.pop()
         _split._ACTIVE[:] = saved
 
 
 def _symbolic_trace(template: Template, fn, flat: list, spec):
+    """See :func:`_symbolic_pass`; run isolated from the caller's dispatch modes (a memory
+    counter must not see the stand-in arguments either)."""
+    with _isolated():
+        return _symbolic_pass(template, fn, flat, spec)
+
+
+def _symbolic_pass(template: Template, fn, flat: list, spec):
     """Runs ``fn`` on fake tensors with symbolic sizes under the recorder. The hints are the
     template's sizes, so that the symbolic pass takes the template's path and its guards say
     where that path holds (``flat``: this call's arguments, of the same structure).
@@ -261,10 +273,9 @@ def _symbolic_trace(template: Template, fn, flat: list, spec):
         return t
 
     args, kwargs = tree_unflatten(fake, spec)
-    with _isolated():
-        with mode, saved_tensors_hooks(pack, lambda t: t), _SymbolicRecorder(graph):
-            out = fn(*args, **kwargs)
-        graph.finish(out)
+    with mode, saved_tensors_hooks(pack, lambda t: t), _SymbolicRecorder(graph):
+        out = fn(*args, **kwargs)
+    graph.finish(out)
     return graph, env, sources, checks
 
 
@@ -315,8 +326,18 @@ class Formulas:
                              if not _constant((leaves, f, b))]
         printer = PythonPrinter()
         names = ", ".join(str(s) for s in self.symbols)
-        body = ", ".join(printer.doprint(e) for e in self._exprs)
-        self._fn = eval(f"lambda {names}: ({body},)", {"torch": torch, "math": math})  # noqa: S307 (our own printed formulas)
+        code = [printer.doprint(e) for e in self._exprs]
+        self._fn = _compile(names, ", ".join(code))
+        # What a sized trace is made of, as one function of the sizes (the values above are for
+        # the guards, checks and replayed arguments): the bytes of storages with a formula,
+        # (FLOPs, bytes) of ops with one, and every saved tensor's geometry.
+        text = lambda n: repr(n[1]) if isinstance(n, tuple) else f"({code[n]})"  # noqa: E731
+        view = lambda g: f"(({''.join(text(m) + ', ' for m in g[0])}), ({''.join(text(m) + ', ' for m in g[1])}), {text(g[2])})"  # noqa: E731
+        self.sized_storages = [k for k, n in enumerate(self.nbytes) if not isinstance(n, tuple)]
+        layout = ("(" + "".join(text(self.nbytes[k]) + ", " for k in self.sized_storages) + "), ("
+                  + "".join(f"({text(self.ops[k][1])}, {text(self.ops[k][2])}), " for k in self.symbolic_ops) + "), ("
+                  + "".join(view(g) + ", " for g in self.packs) + ")")
+        self._layout = _compile(names, layout)
         self.template: Graph | None = None  # the traced graph these formulas resize (set once they match it)
         self._balance = None  # op -> bytes' price in FLOPs, under the "flops" cost model
 
@@ -359,17 +380,18 @@ class Formulas:
                 return None
         if not all(values[g] for g in self.guards):
             return None
-        return values
+        return values, args
 
     def matches(self, graph: Graph, geometry: dict, why: list | None = None) -> bool:
         """Whether the symbolic trace is ``graph`` op for op, and its formulas give ``graph``'s
         numbers at ``graph``'s sizes: then they hold wherever the guards do. ``why`` (a list)
         gets the first difference."""
         why = [] if why is None else why
-        values = self._values(geometry)
+        found = self._values(geometry)
         sym = self.sym
-        if values is None:
+        if found is None:
             return why.append("the formulas do not hold at the traced sizes") or False
+        values = found[0]
         if len(sym.ops) != len(graph.ops) or sym.values != graph.values or len(sym.packs) != len(graph.packs) \
                 or sym.outputs != graph.outputs or sym.activations != graph.activations:
             return why.append("another graph") or False
@@ -405,38 +427,38 @@ class Formulas:
     def graph_at(self, flat: list) -> Graph | None:
         """The template's trace at the sizes of ``flat`` (None where a guard fails)."""
         geometry = {i: (tuple(x.shape), tuple(x.stride())) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
-        values = self._values(geometry)
-        return None if values is None else self._build(values)
+        found = self._values(geometry)
+        return None if found is None else self._build(*found)
 
-    def _build(self, values) -> Graph:
+    def _build(self, values, args) -> Graph:
         t = self.template
         g = copy.copy(t)
         g.sized = True
-        g.storages = [s if isinstance(n, tuple) else Storage(_at(n, values), s.device, s.creator, s.external, s.versions)
-                      for s, n in zip(t.storages, self.nbytes)]
+        storage_bytes, op_counts, views = self._layout(*args)
+        g.storages = storages = list(t.storages)
+        for k, nbytes in zip(self.sized_storages, storage_bytes):
+            s = storages[k]
+            storages[k] = Storage(nbytes, s.device, s.creator, s.external, s.versions)
         ops = list(t.ops)
         flops_model = isinstance(t.cost, str) and t.cost == "flops"
         if self._balance is None:
             self._balance = {k: FLOPS_PER_BYTE["cpu" if self._device(k).type == "cpu" else "cuda"]
                              for k in self.symbolic_ops}
-        for k in self.symbolic_ops:
+        for k, (flops, nbytes) in zip(self.symbolic_ops, op_counts):
             op = ops[k]
-            _, flops_n, nbytes_n = self.ops[k]
             sized = object.__new__(_SizedOp)
             fields = sized.__dict__
             fields.update(op.__dict__)
             del fields["leaves"]
-            flops, nbytes = _at(flops_n, values), _at(nbytes_n, values)
             fields["flops"], fields["nbytes"], fields["resize"] = flops, nbytes, (self, k, values)
             fields["cost"] = flops + self._balance[k] * nbytes if flops_model else \
                 price(t.cost, OpCost(str(op.func), flops, nbytes, self._device(k)), None)
             ops[k] = sized
         g.ops = ops
         packs = []
-        for p, n in zip(t.packs, self.packs):  # Pack is frozen: filled in place, as its __init__ would
+        for p, (size, stride, offset) in zip(t.packs, views):  # Pack is frozen: filled as its __init__ would
             q = object.__new__(Pack)
             q.__dict__.update(p.__dict__)
-            size, stride, offset = _view_at(n, values)
             q.__dict__.update(size=size, stride=stride, offset=offset)
             packs.append(q)
         g.packs = packs
@@ -465,6 +487,11 @@ class _SizedOp(Op):
             formulas, k, values = self.resize
             found = self.__dict__["_leaves"] = formulas.leaves_at(k, values)
         return found
+
+
+def _compile(names: str, body: str):
+    """``lambda <names>: (<body>,)``: our own printed formulas, over torch's and math's names."""
+    return eval(f"lambda {names}: ({body},)", {"torch": torch, "math": math})  # noqa: S307
 
 
 def _constant(n) -> bool:

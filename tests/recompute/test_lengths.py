@@ -259,3 +259,19 @@ def test_size_pinned_by_python_arithmetic_is_traced_per_length_and_warned_about(
     assert structure.traces == 4 * _lengths.MAX_TEMPLATES + 2 and structure.sized == 0
     assert structure.passes == _lengths.MAX_TEMPLATES  # not one symbolic pass per length
     assert sum("for one structure" in str(w.message) for w in caught) == 1
+
+
+def test_new_length_under_autocast_reads_no_cast_from_the_symbolic_pass():
+    # One autocast region over several lengths: autocast caches each weight's bf16 cast for the
+    # whole region, and a cast made on fake tensors must not be what the real forward reads.
+    torch.manual_seed(0)
+    block = Block(GPTConfig(seq_len=64, n_embd=32, n_head=4, dropout=0.0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for seed, T in enumerate([12, 20, 7]):
+            x = torch.randn(2, T, 32, requires_grad=True)
+            torch.manual_seed(seed)
+            ref = block(x)
+            torch.manual_seed(seed)
+            out = gradaccel.checkpoint(block, x, budget=0.5)
+            assert type(out) is torch.Tensor and torch.equal(out, ref)
+            out.float().sum().backward()
