@@ -189,6 +189,11 @@ class _SymbolicRecorder(Recorder):
     but cannot prove full on symbolic ones. Each is a no-op for replay."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and torch.is_autocast_cache_enabled() and _cacheable(args[0]):
+            # Autocast's cast of a real parameter with its cache on again (the region entered an
+            # autocast(cache_enabled=True)): the fake result would be cached for the real forward
+            # to read. Raised before it is: this region is traced per size (analyse returns None).
+            raise RuntimeError("gradaccel: autocast would cache a cast made on fake tensors")
         if getattr(func, "namespace", "") == "prim":
             return func(*args, **(kwargs or {}))
         if func is torch.ops.aten.slice.Tensor:
@@ -198,6 +203,13 @@ class _SymbolicRecorder(Recorder):
             self.graph.record(func, args, kwargs or {}, out)
             return out
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _cacheable(t) -> bool:
+    """Whether autocast caches its casts of ``t`` (a real leaf that requires grad, as a parameter)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.is_leaf and t.requires_grad
 
 
 def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -210,16 +222,22 @@ def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def _isolated():
     """The symbolic pass leaves no trace outside: no outer tracer or region sees its ops, the
-    generator does not move, and its warnings (the user's code runs twice) are not shown."""
+    generator does not move, its warnings (the user's code runs twice) are not shown, and
+    autocast's cache is off: a cast of a parameter is cached until the outermost autocast exits,
+    so a fake cast cached here would be the weight of every later real op in that autocast (and
+    a real one read here is not on the template's path)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     saved, _split._ACTIVE[:] = list(_split._ACTIVE), []
     _FAKE_PASS.append(True)
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
     try:
         with _disable_current_modes(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        torch.set_autocast_cache_enabled(cache)
         _FAKE_PASS.pop()
         _split._ACTIVE[:] = saved
 

@@ -259,3 +259,46 @@ def test_size_pinned_by_python_arithmetic_is_traced_per_length_and_warned_about(
     assert structure.traces == 4 * _lengths.MAX_TEMPLATES + 2 and structure.sized == 0
     assert structure.passes == _lengths.MAX_TEMPLATES  # not one symbolic pass per length
     assert sum("for one structure" in str(w.message) for w in caught) == 1
+
+
+def test_symbolic_pass_leaves_autocast_cache_alone():
+    # Under autocast, a cast of a parameter is cached until the outermost autocast exits. The
+    # symbolic pass at a new length casts the parameters on fake tensors: had those casts gone
+    # into the cache, the real forward right after it (same autocast region) would read fake
+    # weights (garbage numbers: SFTTrainer's bf16 default). Stock runs the same autocast.
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    for seed, T in enumerate([12, 7, 20]):
+        x = torch.randn(2, T, 16, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(seed)
+            out = gradaccel.checkpoint(mlp, x, budget=0.5)
+            assert type(out) is torch.Tensor  # not a FakeTensor of the symbolic pass
+            ref = mlp(x)
+        assert torch.equal(out, ref), T
+        grads = torch.autograd.grad(out.float().sum(), [x, *mlp.parameters()])
+        ref_grads = torch.autograd.grad(ref.float().sum(), [x, *mlp.parameters()])
+        for a, b in zip(grads, ref_grads, strict=True):
+            assert torch.equal(a, b)
+    assert traces(mlp) == [1]  # the later lengths came from formulas
+
+
+def test_symbolic_pass_nested_autocast_falls_back_to_tracing():
+    # A region that turns autocast's cache on itself (cache_enabled=True) turns it back on inside
+    # the symbolic pass: that pass cannot keep its casts out of the cache, so it is not used
+    # (traced per length).
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+
+    def region(t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):
+            return lin(t).relu()
+
+    for T in (12, 7, 20):
+        x = torch.randn(2, T, 16, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = gradaccel.checkpoint(region, x, budget=0.5)
+            assert type(out) is torch.Tensor
+            ref = region(x)
+        assert torch.equal(out, ref), T
+    assert traces(region) == [3]
