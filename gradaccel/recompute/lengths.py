@@ -27,6 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import threading
 import warnings
 
 import torch
@@ -222,24 +223,42 @@ def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def _isolated():
     """The symbolic pass leaves no trace outside: no outer tracer or region sees its ops, the
-    generator does not move, its warnings (the user's code runs twice) are not shown, and
-    autocast's cache is off: a cast of a parameter is cached until the outermost autocast exits,
-    so a fake cast cached here would be the weight of every later real op in that autocast (and
-    a real one read here is not on the template's path)."""
+    generator does not move, its warnings (the user's code runs twice) are not shown, no module
+    hooks run (:func:`_call_without_hooks`), and autocast's cache is off: a cast of a parameter
+    is cached until the outermost autocast exits, so a fake cast cached here would be the weight
+    of every later real op in that autocast (and a real one read here is not on the template's
+    path)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     saved, _split._ACTIVE[:] = list(_split._ACTIVE), []
-    _FAKE_PASS.append(True)
+    _FAKE_PASS.append(threading.get_ident())
     cache = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
+    global _CALL_IMPL
+    call_impl = _CALL_IMPL = torch.nn.Module._call_impl
+    torch.nn.Module._call_impl = _call_without_hooks
     try:
         with _disable_current_modes(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        torch.nn.Module._call_impl = call_impl
         torch.set_autocast_cache_enabled(cache)
         _FAKE_PASS.pop()
         _split._ACTIVE[:] = saved
+
+
+_CALL_IMPL = torch.nn.Module._call_impl  # what other threads run meanwhile (set by _isolated)
+
+
+def _call_without_hooks(self, *args, **kwargs):
+    """``Module.__call__`` in the symbolic pass (its thread only): ``forward`` alone. Hooks are
+    Python with effects on real objects (a probe's list, HF's output capture), run by the real
+    call; a hook that changes what the region computes leaves the symbolic trace unlike the
+    template, so it is not used (the region is traced per size)."""
+    if _FAKE_PASS and _FAKE_PASS[-1] == threading.get_ident():
+        return self.forward(*args, **kwargs)
+    return _CALL_IMPL(self, *args, **kwargs)
 
 
 def _symbolic_trace(template: Template, fn, flat: list, spec):

@@ -302,3 +302,39 @@ def test_symbolic_pass_nested_autocast_falls_back_to_tracing():
             ref = region(x)
         assert torch.equal(out, ref), T
     assert traces(region) == [3]
+
+
+def test_symbolic_pass_runs_no_module_hooks():
+    # Hooks of modules inside the region (HF's output capturing, a user's probe) are Python with
+    # side effects on real objects: the symbolic pass must not run them, or they would see (and
+    # keep) fake tensors and run once more than stock. Each call runs them once, on real tensors.
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    seen, pre = [], []
+    mlp[0].register_forward_hook(lambda m, a, o: seen.append(o))
+    mlp[2].register_forward_pre_hook(lambda m, a: pre.append(a[0]))
+    for T in (12, 7, 20):
+        x = torch.randn(2, T, 16, requires_grad=True)
+        out = gradaccel.checkpoint(mlp, x, budget=0.5)
+        assert torch.equal(out, mlp[2](mlp[1](mlp[0](x).detach())))  # the hooks ran too: three more entries
+        torch.autograd.grad(out.sum(), [x, *mlp.parameters()])
+    assert [type(t) for t in seen + pre] == [torch.Tensor] * 12
+    assert [t.shape[1] for t in seen] == [12, 12, 7, 7, 20, 20]
+    assert traces(mlp) == [1]  # hooks that only observe leave the sizes to formulas
+
+
+def test_hook_that_changes_the_output_is_traced_per_length():
+    # Skipped by the symbolic pass, a hook that computes leaves that pass unlike the template:
+    # its formulas are not used, and each length is traced (right numbers, never fake weights).
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    mlp[0].register_forward_hook(lambda m, a, o: o * 2)
+    for T in (12, 7, 20):
+        x = torch.randn(2, T, 16, requires_grad=True)
+        out = gradaccel.checkpoint(mlp, x, budget=0.5)
+        ref = mlp(x)
+        assert torch.equal(out, ref), T
+        for a, b in zip(torch.autograd.grad(out.sum(), [x, *mlp.parameters()]),
+                        torch.autograd.grad(ref.sum(), [x, *mlp.parameters()]), strict=True):
+            assert torch.equal(a, b)
+    assert traces(mlp) == [3]
