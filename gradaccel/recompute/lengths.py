@@ -314,16 +314,47 @@ def analyse(template: Template, fn, flat: list, spec):
         return None
     if any(isinstance(x, torch.Tensor) and x.storage_offset() != 0 for x in flat):
         return None
+    state = _attributes(fn)
     try:
         sym_graph, env, sources, checks = _symbolic_trace(template, fn, flat, spec)
         sym_graph.take_externals()  # the fake parameters: nothing needs them past the pass
         formulas = Formulas(sym_graph, env, sources, checks)
     except Exception:  # a data-dependent read, an op without a meta kernel, a printer gap: trace per size
         return None
-    if not formulas.matches(graph, template.geometry):
+    finally:
+        rebound = _put_back(state)
+    if rebound or not formulas.matches(graph, template.geometry):
         return None
     formulas.template = graph
     return formulas
+
+
+def _attributes(fn) -> list:
+    """What the region's module (and its submodules) hold as attributes, before the pass."""
+    root = getattr(fn, "__self__", fn)
+    if not isinstance(root, torch.nn.Module):
+        return []
+    return [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in root.modules()]
+
+
+def _put_back(state: list) -> bool:
+    """Undoes what the pass bound on the modules (a cache or statistic it set to a fake tensor
+    would be read by the real forward). Returns whether it bound anything: the region's Python
+    then writes state, and is traced per size. Mutations inside objects are not seen."""
+    rebound = False
+    for m, *dicts in state:
+        for saved, now in zip(dicts, (m.__dict__, m._parameters, m._buffers, m._modules)):
+            if now.keys() != saved.keys() or any(now[k] is not v and not _same_plain(now[k], v)
+                                                 for k, v in saved.items()):
+                rebound = True
+                now.clear()
+                now.update(saved)
+    return rebound
+
+
+def _same_plain(a, b) -> bool:
+    """An attribute set again to an equal number or string (``self.scale = d ** -0.5``) is no change."""
+    return type(a) is type(b) and type(a) in (int, float, bool, str) and a == b
 
 
 # -- formulas ----------------------------------------------------------------------------------
