@@ -3,7 +3,10 @@
 A region's trace (gradaccel/recompute/trace.py) is taken at one input signature. Sequence lengths change
 almost every step in real fine-tuning, so plans are cached per *structure*: the signature with
 the sizes and strides of its tensors left out (what stays: rank, which sizes and strides are 0
-or 1, storage offsets, dtypes, devices, aliasing, every non-tensor argument, module state).
+or 1, storage offsets, dtypes, devices, aliasing, every non-tensor argument but plain ints,
+module state). A plain int argument of 2 or more (``max_length_q``, a length passed as a
+number) is a size too: it is left out of the structure, and is a symbol of its own in the
+symbolic pass, so formulas and guards may read it (0 and 1 stay in the key, as sizes do).
 
 Within a structure, the first traced call is the *template*. When a call of another size comes,
 the region's Python runs once more, on fake tensors whose sizes and strides are symbols (torch's
@@ -60,7 +63,22 @@ def without_sizes(part):
         shape, stride, offset = part[0]
         return ((len(shape), tuple(d if d < 2 else -1 for d in shape), tuple(s if s < 2 else -1 for s in stride),
                  offset),) + part[1:]
+    if type(part) is tuple and len(part) == 2 and part[0] is int and is_size_int(part[1]):
+        return (int, "size")  # not -1: an argument of -1 stays a structure of its own
     return part
+
+
+def is_size_int(x) -> bool:
+    """A plain int argument that a structure treats as a size: exactly an int (no bool, no
+    numpy int) of 2 or more, so that 0 and 1 are specialised as torch specialises sizes."""
+    return type(x) is int and x >= 2
+
+
+def geometry_of(flat: list) -> dict:
+    """What a structure's calls differ by: {flat index: (shape, stride)} of each tensor
+    argument, and {flat index: value} of each size int (:func:`is_size_int`)."""
+    return {i: (tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else x
+            for i, x in enumerate(flat) if isinstance(x, torch.Tensor) or is_size_int(x)}
 
 
 @dataclasses.dataclass
@@ -69,7 +87,7 @@ class Template:
     size asked) its formulas: a :class:`Formulas`, or False where they could not be had."""
 
     graph: Graph
-    geometry: dict  # flat index -> (shape, stride) of each tensor argument when traced
+    geometry: dict  # flat index -> (shape, stride) of each tensor argument, or value of each size int, when traced
     formulas: object = None
 
 
@@ -86,7 +104,7 @@ class Structure:
 
     def add(self, graph: Graph, flat: list) -> None:
         self.traces += 1
-        geometry = {i: (tuple(x.shape), tuple(x.stride())) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
+        geometry = geometry_of(flat)
         self.templates.insert(0, Template(graph, geometry))
         del self.templates[MAX_TEMPLATES:]
 
@@ -265,7 +283,9 @@ def _symbolic_trace(template: Template, fn, flat: list, spec):
     """Runs ``fn`` on fake tensors with symbolic sizes under the recorder. The hints are the
     template's sizes, so that the symbolic pass takes the template's path and its guards say
     where that path holds (``flat``: this call's arguments, of the same structure).
-    Returns (graph, shape_env, {symbol: (kind, flat index, dim)}, argument checks)."""
+    A size int is given the template's value as its hint, under a symbol of its own.
+    Returns (graph, shape_env, {symbol: (kind, flat index, dim)}, argument checks); a size
+    int's source is ("int", flat index, None)."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -274,6 +294,14 @@ def _symbolic_trace(template: Template, fn, flat: list, spec):
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     sources, checks, fake = {}, [], []
     for i, x in enumerate(flat):
+        if is_size_int(x):
+            value = template.geometry[i]
+            sym = env.create_symbol(value, ConstantSource(f"gradaccel_int{i}"), dynamic_dim=DimDynamic.DYNAMIC)
+            n = env.create_symintnode(sym, hint=value)
+            sources.setdefault(sym, ("int", i, None))
+            checks.append(("int", i, None, n))  # an equality the pass found (n == a size) is kept
+            fake.append(n)
+            continue
         if not isinstance(x, torch.Tensor):
             fake.append(x)
             continue
@@ -411,11 +439,14 @@ class Formulas:
 
     # -- evaluation ----------------------------------------------------------------------------
     def _values(self, geometry: dict):
-        """All formulas at the input geometry {flat index: (shape, stride)}; None where the
-        inputs do not have the symbolic inputs' geometry or a guard fails."""
+        """All formulas at the input geometry (:func:`geometry_of`); None where the inputs do
+        not have the symbolic inputs' geometry or a guard fails."""
         args = []
         for s in self.symbols:
             kind, i, d = self.sources[s]
+            if kind == "int":
+                args.append(geometry[i])
+                continue
             shape, stride = geometry[i]
             args.append(shape[d] if kind == "size" else stride[d])
         try:
@@ -423,7 +454,7 @@ class Formulas:
         except Exception:  # a formula undefined at these sizes (a division by a size of 0)
             return None
         for kind, i, d, n in self.checks:
-            if _at(n, values) != geometry[i][0 if kind == "size" else 1][d]:
+            if _at(n, values) != (geometry[i] if kind == "int" else geometry[i][0 if kind == "size" else 1][d]):
                 return None
         if not all(values[g] for g in self.guards):
             return None
@@ -472,8 +503,7 @@ class Formulas:
 
     def graph_at(self, flat: list) -> Graph | None:
         """The template's trace at the sizes of ``flat`` (None where a guard fails)."""
-        geometry = {i: (tuple(x.shape), tuple(x.stride())) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
-        values = self._values(geometry)
+        values = self._values(geometry_of(flat))
         return None if values is None else self._build(values)
 
     def _build(self, values) -> Graph:
