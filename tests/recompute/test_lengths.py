@@ -369,3 +369,42 @@ def test_symbolic_pass_leaves_module_attributes_as_they_were():
             out = gradaccel.checkpoint(m, x, budget=0.5)
             assert type(out) is torch.Tensor and type(m.last) is torch.Tensor
             assert torch.equal(out, ref(x)) and torch.equal(m.last, ref.last)
+
+
+class _IntArg(nn.Module):
+    """A region that takes a length as a plain int (as HF's ``max_length_q``) and uses it."""
+
+    def __init__(self, branch):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.branch = branch
+
+    def forward(self, x, n):
+        if self.branch:
+            h = self.lin(x)
+            if n > 10:  # a branch on the int: a guard of the symbolic pass
+                h = F.gelu(h) * h
+            return h.sigmoid() * h.exp() * n
+        h = self.lin(x[:, :n])
+        return (h.sigmoid() * h.exp()).reshape(x.shape[0], n * 16)
+
+
+@pytest.mark.parametrize("branch", [False, True], ids=["slice", "branch"])
+def test_int_argument_is_a_size(branch):
+    torch.manual_seed(0)
+    m = _IntArg(branch)
+    ns = [5, 9, 12, 30, 7, 15, 3] if branch else [5, 9, 3, 12, 7, 17]
+    for seed, n in enumerate(ns):
+        x = torch.randn(2, 20, 16, requires_grad=True)  # only n changes
+        outs = []
+        for fn in (lambda *a: gradaccel.checkpoint(m, *a, budget=0.3), m):
+            torch.manual_seed(seed)
+            out = fn(x, n)
+            outs.append((out, *torch.autograd.grad(out.square().sum(), [x, *m.parameters()])))
+        for a, b in zip(*outs, strict=True):
+            assert torch.equal(a, b), n
+    (structure,) = STATE.shapes[m].values()
+    # One trace per path (n <= 10, then n > 10), every other call sized from formulas that read n.
+    assert (structure.traces, structure.sized) == ((2, len(ns) - 2) if branch else (1, len(ns) - 1))
+    formulas = [t.formulas for t in structure.templates if t.formulas]
+    assert formulas and all(("int", 1, None) in f.sources.values() for f in formulas)
