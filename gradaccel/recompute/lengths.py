@@ -3,7 +3,10 @@
 A region's trace (gradaccel/recompute/trace.py) is taken at one input signature. Sequence lengths change
 almost every step in real fine-tuning, so plans are cached per *structure*: the signature with
 the sizes and strides of its tensors left out (what stays: rank, which sizes and strides are 0
-or 1, storage offsets, dtypes, devices, aliasing, every non-tensor argument, module state).
+or 1, storage offsets, dtypes, devices, aliasing, every non-tensor argument but plain ints,
+module state). A plain int argument of 2 or more (``max_length_q``, a length passed as a
+number) is a size too: it is left out of the structure, and is a symbol of its own in the
+symbolic pass, so formulas and guards may read it (0 and 1 stay in the key, as sizes do).
 
 Within a structure, the first traced call is the *template*. When a call of another size comes,
 the region's Python runs once more, on fake tensors whose sizes and strides are symbols (torch's
@@ -27,6 +30,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import threading
 import warnings
 
 import torch
@@ -59,7 +63,22 @@ def without_sizes(part):
         shape, stride, offset = part[0]
         return ((len(shape), tuple(d if d < 2 else -1 for d in shape), tuple(s if s < 2 else -1 for s in stride),
                  offset),) + part[1:]
+    if type(part) is tuple and len(part) == 2 and part[0] is int and is_size_int(part[1]):
+        return (int, "size")  # not -1: an argument of -1 stays a structure of its own
     return part
+
+
+def is_size_int(x) -> bool:
+    """A plain int argument that a structure treats as a size: exactly an int (no bool, no
+    numpy int) of 2 or more, so that 0 and 1 are specialised as torch specialises sizes."""
+    return type(x) is int and x >= 2
+
+
+def geometry_of(flat: list) -> dict:
+    """What a structure's calls differ by: {flat index: (shape, stride)} of each tensor
+    argument, and {flat index: value} of each size int (:func:`is_size_int`)."""
+    return {i: (tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else x
+            for i, x in enumerate(flat) if isinstance(x, torch.Tensor) or is_size_int(x)}
 
 
 @dataclasses.dataclass
@@ -68,7 +87,7 @@ class Template:
     size asked) its formulas: a :class:`Formulas`, or False where they could not be had."""
 
     graph: Graph
-    geometry: dict  # flat index -> (shape, stride) of each tensor argument when traced
+    geometry: dict  # flat index -> (shape, stride) of each tensor argument, or value of each size int, when traced
     formulas: object = None
 
 
@@ -85,7 +104,7 @@ class Structure:
 
     def add(self, graph: Graph, flat: list) -> None:
         self.traces += 1
-        geometry = {i: (tuple(x.shape), tuple(x.stride())) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
+        geometry = geometry_of(flat)
         self.templates.insert(0, Template(graph, geometry))
         del self.templates[MAX_TEMPLATES:]
 
@@ -189,6 +208,11 @@ class _SymbolicRecorder(Recorder):
     but cannot prove full on symbolic ones. Each is a no-op for replay."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and torch.is_autocast_cache_enabled() and _cacheable(args[0]):
+            # Autocast's cast of a real parameter with its cache on again (the region entered an
+            # autocast(cache_enabled=True)): the fake result would be cached for the real forward
+            # to read. Raised before it is: this region is traced per size (analyse returns None).
+            raise RuntimeError("gradaccel: autocast would cache a cast made on fake tensors")
         if getattr(func, "namespace", "") == "prim":
             return func(*args, **(kwargs or {}))
         if func is torch.ops.aten.slice.Tensor:
@@ -198,6 +222,13 @@ class _SymbolicRecorder(Recorder):
             self.graph.record(func, args, kwargs or {}, out)
             return out
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _cacheable(t) -> bool:
+    """Whether autocast caches its casts of ``t`` (a real leaf that requires grad, as a parameter)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.is_leaf and t.requires_grad
 
 
 def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -210,23 +241,42 @@ def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def _isolated():
     """The symbolic pass leaves no trace outside: no outer tracer or region sees its ops, the
-    generator does not move, and its warnings (the user's code runs twice) are not shown."""
+    generator does not move, its warnings (the user's code runs twice) are not shown, no module
+    hooks run (:func:`_call_without_hooks`), and autocast's cache is off: a cast of a parameter
+    is cached until the outermost autocast exits, so a fake cast cached here would be the weight
+    of every later real op in that autocast (and a real one read here is not on the template's
+    path)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     saved, _split._ACTIVE[:] = list(_split._ACTIVE), []
-    _FAKE_PASS.append(True)
-    # Under autocast, a weight's cast is cached for the whole autocast region: a cast made on fake
-    # tensors must not be cached, or the real forward after the pass would read the fake one.
+    _FAKE_PASS.append(threading.get_ident())
     cache = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
+    global _CALL_IMPL
+    call_impl = _CALL_IMPL = torch.nn.Module._call_impl
+    torch.nn.Module._call_impl = _call_without_hooks
     try:
         with _disable_current_modes(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        torch.nn.Module._call_impl = call_impl
         torch.set_autocast_cache_enabled(cache)
         _FAKE_PASS.pop()
         _split._ACTIVE[:] = saved
+
+
+_CALL_IMPL = torch.nn.Module._call_impl  # what other threads run meanwhile (set by _isolated)
+
+
+def _call_without_hooks(self, *args, **kwargs):
+    """``Module.__call__`` in the symbolic pass (its thread only): ``forward`` alone. Hooks are
+    Python with effects on real objects (a probe's list, HF's output capture), run by the real
+    call; a hook that changes what the region computes leaves the symbolic trace unlike the
+    template, so it is not used (the region is traced per size)."""
+    if _FAKE_PASS and _FAKE_PASS[-1] == threading.get_ident():
+        return self.forward(*args, **kwargs)
+    return _CALL_IMPL(self, *args, **kwargs)
 
 
 def _symbolic_trace(template: Template, fn, flat: list, spec):
@@ -240,7 +290,9 @@ def _symbolic_pass(template: Template, fn, flat: list, spec):
     """Runs ``fn`` on fake tensors with symbolic sizes under the recorder. The hints are the
     template's sizes, so that the symbolic pass takes the template's path and its guards say
     where that path holds (``flat``: this call's arguments, of the same structure).
-    Returns (graph, shape_env, {symbol: (kind, flat index, dim)}, argument checks)."""
+    A size int is given the template's value as its hint, under a symbol of its own.
+    Returns (graph, shape_env, {symbol: (kind, flat index, dim)}, argument checks); a size
+    int's source is ("int", flat index, None)."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -249,6 +301,14 @@ def _symbolic_pass(template: Template, fn, flat: list, spec):
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     sources, checks, fake = {}, [], []
     for i, x in enumerate(flat):
+        if is_size_int(x):
+            value = template.geometry[i]
+            sym = env.create_symbol(value, ConstantSource(f"gradaccel_int{i}"), dynamic_dim=DimDynamic.DYNAMIC)
+            n = env.create_symintnode(sym, hint=value)
+            sources.setdefault(sym, ("int", i, None))
+            checks.append(("int", i, None, n))  # an equality the pass found (n == a size) is kept
+            fake.append(n)
+            continue
         if not isinstance(x, torch.Tensor):
             fake.append(x)
             continue
@@ -288,16 +348,47 @@ def analyse(template: Template, fn, flat: list, spec):
         return None
     if any(isinstance(x, torch.Tensor) and x.storage_offset() != 0 for x in flat):
         return None
+    state = _attributes(fn)
     try:
         sym_graph, env, sources, checks = _symbolic_trace(template, fn, flat, spec)
         sym_graph.take_externals()  # the fake parameters: nothing needs them past the pass
         formulas = Formulas(sym_graph, env, sources, checks)
     except Exception:  # a data-dependent read, an op without a meta kernel, a printer gap: trace per size
         return None
-    if not formulas.matches(graph, template.geometry):
+    finally:
+        rebound = _put_back(state)
+    if rebound or not formulas.matches(graph, template.geometry):
         return None
     formulas.template = graph
     return formulas
+
+
+def _attributes(fn) -> list:
+    """What the region's module (and its submodules) hold as attributes, before the pass."""
+    root = getattr(fn, "__self__", fn)
+    if not isinstance(root, torch.nn.Module):
+        return []
+    return [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in root.modules()]
+
+
+def _put_back(state: list) -> bool:
+    """Undoes what the pass bound on the modules (a cache or statistic it set to a fake tensor
+    would be read by the real forward). Returns whether it bound anything: the region's Python
+    then writes state, and is traced per size. Mutations inside objects are not seen."""
+    rebound = False
+    for m, *dicts in state:
+        for saved, now in zip(dicts, (m.__dict__, m._parameters, m._buffers, m._modules)):
+            if now.keys() != saved.keys() or any(now[k] is not v and not _same_plain(now[k], v)
+                                                 for k, v in saved.items()):
+                rebound = True
+                now.clear()
+                now.update(saved)
+    return rebound
+
+
+def _same_plain(a, b) -> bool:
+    """An attribute set again to an equal number or string (``self.scale = d ** -0.5``) is no change."""
+    return type(a) is type(b) and type(a) in (int, float, bool, str) and a == b
 
 
 # -- formulas ----------------------------------------------------------------------------------
@@ -364,11 +455,14 @@ class Formulas:
 
     # -- evaluation ----------------------------------------------------------------------------
     def _values(self, geometry: dict):
-        """All formulas at the input geometry {flat index: (shape, stride)}; None where the
-        inputs do not have the symbolic inputs' geometry or a guard fails."""
+        """All formulas at the input geometry (:func:`geometry_of`); None where the inputs do
+        not have the symbolic inputs' geometry or a guard fails."""
         args = []
         for s in self.symbols:
             kind, i, d = self.sources[s]
+            if kind == "int":
+                args.append(geometry[i])
+                continue
             shape, stride = geometry[i]
             args.append(shape[d] if kind == "size" else stride[d])
         try:
@@ -376,7 +470,7 @@ class Formulas:
         except Exception:  # a formula undefined at these sizes (a division by a size of 0)
             return None
         for kind, i, d, n in self.checks:
-            if _at(n, values) != geometry[i][0 if kind == "size" else 1][d]:
+            if _at(n, values) != (geometry[i] if kind == "int" else geometry[i][0 if kind == "size" else 1][d]):
                 return None
         if not all(values[g] for g in self.guards):
             return None
@@ -426,8 +520,7 @@ class Formulas:
 
     def graph_at(self, flat: list) -> Graph | None:
         """The template's trace at the sizes of ``flat`` (None where a guard fails)."""
-        geometry = {i: (tuple(x.shape), tuple(x.stride())) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)}
-        found = self._values(geometry)
+        found = self._values(geometry_of(flat))
         return None if found is None else self._build(*found)
 
     def _build(self, values, args) -> Graph:

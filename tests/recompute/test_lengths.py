@@ -275,3 +275,152 @@ def test_new_length_under_autocast_reads_no_cast_from_the_symbolic_pass():
             out = gradaccel.checkpoint(block, x, budget=0.5)
             assert type(out) is torch.Tensor and torch.equal(out, ref)
             out.float().sum().backward()
+
+
+def test_symbolic_pass_leaves_autocast_cache_alone():
+    # Under autocast, a cast of a parameter is cached until the outermost autocast exits. The
+    # symbolic pass at a new length casts the parameters on fake tensors: had those casts gone
+    # into the cache, the real forward right after it (same autocast region) would read fake
+    # weights (garbage numbers: SFTTrainer's bf16 default). Stock runs the same autocast.
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    for seed, T in enumerate([12, 7, 20]):
+        x = torch.randn(2, T, 16, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(seed)
+            out = gradaccel.checkpoint(mlp, x, budget=0.5)
+            assert type(out) is torch.Tensor  # not a FakeTensor of the symbolic pass
+            ref = mlp(x)
+        assert torch.equal(out, ref), T
+        grads = torch.autograd.grad(out.float().sum(), [x, *mlp.parameters()])
+        ref_grads = torch.autograd.grad(ref.float().sum(), [x, *mlp.parameters()])
+        for a, b in zip(grads, ref_grads, strict=True):
+            assert torch.equal(a, b)
+    assert traces(mlp) == [1]  # the later lengths came from formulas
+
+
+def test_symbolic_pass_nested_autocast_falls_back_to_tracing():
+    # A region that turns autocast's cache on itself (cache_enabled=True) turns it back on inside
+    # the symbolic pass: that pass cannot keep its casts out of the cache, so it is not used
+    # (traced per length).
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+
+    def region(t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):
+            return lin(t).relu()
+
+    for T in (12, 7, 20):
+        x = torch.randn(2, T, 16, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = gradaccel.checkpoint(region, x, budget=0.5)
+            assert type(out) is torch.Tensor
+            ref = region(x)
+        assert torch.equal(out, ref), T
+    assert traces(region) == [3]
+
+
+def test_symbolic_pass_runs_no_module_hooks():
+    # Hooks of modules inside the region (HF's output capturing, a user's probe) are Python with
+    # side effects on real objects: the symbolic pass must not run them, or they would see (and
+    # keep) fake tensors and run once more than stock. Each call runs them once, on real tensors.
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    seen, pre = [], []
+    mlp[0].register_forward_hook(lambda m, a, o: seen.append(o))
+    mlp[2].register_forward_pre_hook(lambda m, a: pre.append(a[0]))
+    for T in (12, 7, 20):
+        x = torch.randn(2, T, 16, requires_grad=True)
+        out = gradaccel.checkpoint(mlp, x, budget=0.5)
+        assert torch.equal(out, mlp[2](mlp[1](mlp[0](x).detach())))  # the hooks ran too: three more entries
+        torch.autograd.grad(out.sum(), [x, *mlp.parameters()])
+    assert [type(t) for t in seen + pre] == [torch.Tensor] * 12
+    assert [t.shape[1] for t in seen] == [12, 12, 7, 7, 20, 20]
+    assert traces(mlp) == [1]  # hooks that only observe leave the sizes to formulas
+
+
+def test_hook_that_changes_the_output_is_traced_per_length():
+    # Skipped by the symbolic pass, a hook that computes leaves that pass unlike the template:
+    # its formulas are not used, and each length is traced (right numbers, never fake weights).
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    mlp[0].register_forward_hook(lambda m, a, o: o * 2)
+    for T in (12, 7, 20):
+        x = torch.randn(2, T, 16, requires_grad=True)
+        out = gradaccel.checkpoint(mlp, x, budget=0.5)
+        ref = mlp(x)
+        assert torch.equal(out, ref), T
+        for a, b in zip(torch.autograd.grad(out.sum(), [x, *mlp.parameters()]),
+                        torch.autograd.grad(ref.sum(), [x, *mlp.parameters()]), strict=True):
+            assert torch.equal(a, b)
+    assert traces(mlp) == [3]
+
+
+class _Memo(nn.Module):
+    """Keeps a statistic of its last output as a tensor attribute, read by its next call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.last = None
+
+    def forward(self, t):
+        out = self.lin(t).relu()
+        if self.last is not None:
+            out = out + self.last
+        self.last = out.detach().mean(dim=(0, 1))
+        return out
+
+
+def test_symbolic_pass_leaves_module_attributes_as_they_were():
+    # The pass must not leave its writes on the module: its fake ``last`` would be what the real
+    # forward right after it reads (a fake output). Attributes it rebinds are put back.
+    torch.manual_seed(0)
+    m, ref = _Memo(), _Memo()
+    ref.load_state_dict(m.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the region reads state beyond its arguments: warned about
+        for T in (12, 7, 20):
+            x = torch.randn(2, T, 16, requires_grad=True)
+            out = gradaccel.checkpoint(m, x, budget=0.5)
+            assert type(out) is torch.Tensor and type(m.last) is torch.Tensor
+            assert torch.equal(out, ref(x)) and torch.equal(m.last, ref.last)
+
+
+class _IntArg(nn.Module):
+    """A region that takes a length as a plain int (as HF's ``max_length_q``) and uses it."""
+
+    def __init__(self, branch):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.branch = branch
+
+    def forward(self, x, n):
+        if self.branch:
+            h = self.lin(x)
+            if n > 10:  # a branch on the int: a guard of the symbolic pass
+                h = F.gelu(h) * h
+            return h.sigmoid() * h.exp() * n
+        h = self.lin(x[:, :n])
+        return (h.sigmoid() * h.exp()).reshape(x.shape[0], n * 16)
+
+
+@pytest.mark.parametrize("branch", [False, True], ids=["slice", "branch"])
+def test_int_argument_is_a_size(branch):
+    torch.manual_seed(0)
+    m = _IntArg(branch)
+    ns = [5, 9, 12, 30, 7, 15, 3] if branch else [5, 9, 3, 12, 7, 17]
+    for seed, n in enumerate(ns):
+        x = torch.randn(2, 20, 16, requires_grad=True)  # only n changes
+        outs = []
+        for fn in (lambda *a: gradaccel.checkpoint(m, *a, budget=0.3), m):
+            torch.manual_seed(seed)
+            out = fn(x, n)
+            outs.append((out, *torch.autograd.grad(out.square().sum(), [x, *m.parameters()])))
+        for a, b in zip(*outs, strict=True):
+            assert torch.equal(a, b), n
+    (structure,) = STATE.shapes[m].values()
+    # One trace per path (n <= 10, then n > 10), every other call sized from formulas that read n.
+    assert (structure.traces, structure.sized) == ((2, len(ns) - 2) if branch else (1, len(ns) - 1))
+    formulas = [t.formulas for t in structure.templates if t.formulas]
+    assert formulas and all(("int", 1, None) in f.sources.values() for f in formulas)
