@@ -1,5 +1,5 @@
 """memory= over steps of new sequence lengths: per-length fake-tensor profiles (before) against
-the length profile (gradaccel/_lengths.py), side by side with HF checkpointing and no
+the length profile (gradaccel/_lengthprofile.py), side by side with HF checkpointing and no
 checkpointing, in one run. Reports total time relative to HF checkpointing, fake-tensor
 profiles made, and each step's peak of live bytes against the target.
 

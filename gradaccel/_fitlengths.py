@@ -1,5 +1,5 @@
 """``Fit.apply``'s plans at other sequence lengths than the fitted one: each training call gets
-the plan of its own length, for the fit's target, from the length profile (gradaccel/_lengths.py).
+the plan of its own length, for the fit's target, from the length profile (gradaccel/_lengthprofile.py).
 
 Why per length and not the fitted length's budgets: a budget is bytes, and at a shorter length
 a block's activations are fewer, so the fitted budget would keep nearly everything: it may fit,
@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from gradaccel._knapsack import least_peak, least_recompute
-from gradaccel._lengths import length_of
+from gradaccel._lengthprofile import length_of
 from gradaccel.frontier import set_plans
 
 __all__ = ["FittedLengths"]

@@ -175,7 +175,7 @@ class Profile:
             ``FusedAccumOptimizer``'s fold does (True), or leave grads to pile up (False).
         prepare: called with the fake model before it runs (to switch a mode on, say).
         trajectories: also record the live bytes after every op of each run (the skeleton's in
-            ``events``, each block run's in ``Kind.events``), for gradaccel/_lengths.py.
+            ``events``, each block run's in ``Kind.events``), for gradaccel/_lengthprofile.py.
     """
 
     def __init__(self, model: nn.Module, step, batch, grad_hooks: bool = True, skeleton: bool = True,
@@ -214,7 +214,7 @@ class Profile:
     def _live_bytes(self):
         if not self.trajectories:
             return LiveBytes()
-        from gradaccel._lengths import Trajectory
+        from gradaccel._lengthprofile import Trajectory
 
         return Trajectory()
 

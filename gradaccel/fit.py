@@ -76,7 +76,7 @@ class Fit:
 
         A training call at another sequence length than ``seq`` (same micro-batch) gets that
         length's own plan, re-planned for the same target from the length profile
-        (gradaccel/_lengths.py: no fake-tensor run for lengths the fit profiled around, up to
+        (gradaccel/_lengthprofile.py: no fake-tensor run for lengths the fit profiled around, up to
         ``seq``); a length past ``seq`` is profiled once on fake tensors (warned about).
         Plans with offload keep their budgets at every length."""
         from gradaccel.blocks import checkpoint_blocks
@@ -200,9 +200,9 @@ class Planner:
         return self.profiles[key]
 
     def lengths(self, seq, micro_batch, chunked_loss=False):
-        """The step's profile at every length up to ``seq`` (gradaccel/_lengths.py), made from
+        """The step's profile at every length up to ``seq`` (gradaccel/_lengthprofile.py), made from
         profiles at a few lengths (``seq``'s own among them) and kept."""
-        from gradaccel._lengths import LengthProfile, profile_lengths
+        from gradaccel._lengthprofile import LengthProfile, profile_lengths
 
         key = (seq, micro_batch, chunked_loss)
         if key not in self._lengths:

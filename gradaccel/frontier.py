@@ -306,7 +306,7 @@ class MemoryTarget:
         self.memory = memory
         self.seen = {}
         self.chosen = {}
-        self.lengths = {}  # structure key -> LengthProfile (gradaccel/_lengths.py)
+        self.lengths = {}  # structure key -> LengthProfile (gradaccel/_lengthprofile.py)
         for b in blocks:
             install_parts(b)
         self.has_head = install_head(model)
@@ -337,8 +337,8 @@ class MemoryTarget:
 
     def _profile(self, module, args, kwargs, head, predict=True):
         """The step's profile at this call's length: predicted from the structure's profiles
-        at other lengths (gradaccel/_lengths.py) where it can be, else a fake-tensor run."""
-        from gradaccel._lengths import LengthProfile, at_length, length_of, profile_lengths
+        at other lengths (gradaccel/_lengthprofile.py) where it can be, else a fake-tensor run."""
+        from gradaccel._lengthprofile import LengthProfile, at_length, length_of, profile_lengths
         from gradaccel._profile import Profile
 
         def run(a, kw):

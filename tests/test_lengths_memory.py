@@ -1,4 +1,4 @@
-"""memory= and fit's applied plan across sequence lengths (gradaccel/_lengths.py): the profile at
+"""memory= and fit's applied plan across sequence lengths (gradaccel/_lengthprofile.py): the profile at
 a length that was not run is predicted exactly, every length gets its own plan within the
 target, gradients are those without checkpointing, and no fake-tensor profile runs per length."""
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import gradaccel
 from gradaccel._knapsack import least_recompute
-from gradaccel._lengths import LengthProfile, profile_lengths
+from gradaccel._lengthprofile import LengthProfile, profile_lengths
 from gradaccel._profile import KEEP_ALL, Profile, profile_runs
 from gradaccel.frontier import MemoryTarget, _step
 from gradaccel.memory import LiveBytes, measured_peak
