@@ -46,7 +46,8 @@ __all__ = ["LengthProfile", "profile_lengths", "length_of", "at_length"]
 def profile_lengths(longest: int, shortest: int | None = None) -> list | None:
     """The lengths to profile for ``[shortest, longest]``: both ends, a middle one, and one more
     to check the fit (None where the range is too short to hold four lengths)."""
-    shortest = max(4, longest // 16) if shortest is None else max(2, shortest)
+    # Down to 8 tokens: shorter texts are few, and a length outside the range costs a profile.
+    shortest = max(2, min(8, longest // 4)) if shortest is None else max(2, shortest)
     if longest - shortest < 3:
         return None
     mid = (shortest + longest) // 2

@@ -120,7 +120,7 @@ def test_memory_holds_at_every_length_without_profiling_each():
     before = profile_runs()
     _train_peak(model, ids[128])
     runs = profile_runs()
-    assert runs - before == 4  # the profiled lengths: 8, 68, 98, 128
+    assert runs - before == 4  # the profiled lengths: 8, 68, 98, 128 (profile_lengths)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="gradaccel")  # none of ours: the target fits at each length
         for t in (16, 37, 101, 127, 128, 160, 150):
