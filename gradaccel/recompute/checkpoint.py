@@ -172,7 +172,9 @@ def _module_state(m: torch.nn.Module) -> tuple:
     state, stack, seen = [], [m], {id(m)}
     while stack:  # m.modules() and m.parameters() without their generators: a third of the time
         sub = stack.pop()
-        state.extend(v for v in sub.__dict__.values() if _plain(v))  # .training among them
+        # .training among them; not the block's budget, which is keyed as the budget (a plan
+        # input, not a trace input: memory= sets another one at each length).
+        state.extend(v for k, v in sub.__dict__.items() if _plain(v) and k != "_gradaccel_budget")
         state.extend((id(p), p.requires_grad) for p in sub._parameters.values() if p is not None)
         state.extend(id(b) for b in sub._buffers.values() if b is not None)
         for child in sub._modules.values():
@@ -358,6 +360,9 @@ def _structure(owner, exact_key, cost):
     except TypeError:  # not weak-referenceable: traced every call anyway
         return None
     key = tuple(_lengths.without_sizes(p) for p in exact_key)
+    # A trace does not depend on the budget (the plan does): memory= and fit set a byte budget
+    # per length, and each must be sized from the same structure, not traced anew.
+    key = key[:3] + (None,) + key[4:]
     structure = _lengths.structures_of(shapes, key)
     if structure.kind is None and isinstance(owner, torch.nn.Module):
         # Layers of one model share size formulas: the key with the module's kind for its state.

@@ -2,6 +2,7 @@
 a length that was not run is predicted exactly, every length gets its own plan within the
 target, gradients are those without checkpointing, and no fake-tensor profile runs per length."""
 
+import copy
 import warnings
 
 import pytest
@@ -167,3 +168,33 @@ def test_fit_applies_a_plan_per_length_up_to_seq():
     assert profile_runs() == runs and not hook.profiled
     assert hook.plans[128] == result.budgets  # the fitted length: the fitted plan, unchanged
     assert hook.plans[9] != result.budgets
+
+
+def test_memory_budgets_per_length_do_not_retrace_the_blocks():
+    # memory= sets each block a byte budget per length; the budget is a plan input, not a trace
+    # input, so a block is traced once and every other length (and budget) is sized, not traced.
+    from gradaccel.recompute.state import STATE
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).train()
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, 128, (1, 128))
+    with LiveBytes() as live:
+        ref(input_ids=ids, labels=ids).loss.backward()
+    ref.zero_grad()
+    gradaccel.checkpoint_blocks(model, memory=int(0.6 * live.peak))
+    budgets = set()
+    for t in (128, 100, 90, 77, 120, 64):
+        x = ids[:, :t]
+        ref(input_ids=x, labels=x).loss.backward()
+        model(input_ids=x, labels=x).loss.backward()
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+        ref.zero_grad(), model.zero_grad()
+        budgets.add(tuple(getattr(layer, "_gradaccel_budget", None) for layer in model.model.layers))
+    assert len(budgets) >= 3  # the plans really changed with the length
+    traces = [s.traces for layer in model.model.layers for s in STATE.shapes.get(layer, {}).values()]
+    assert sum(traces) <= len(model.model.layers), traces
