@@ -31,11 +31,13 @@ A name with a dot in ``--suite`` is imported as is (``mypkg.mysuite``); a plain 
 """
 
 import argparse
+import builtins
 import importlib
 import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 SUITES = ("accumulate", "checkpoint", "train", "finetune", "distributed", "fit", "frontier", "chunked_loss", "lengths")  # the default; `--suite offload` runs the raw store hooks too
@@ -185,9 +187,23 @@ def _run_and_plot(name: str, short: str, device: str, quick: bool, out: Path, sh
     return problems
 
 
+def _quiet_libraries() -> None:
+    """Keeps the libraries' deprecation notices (transformers' renamed gradient_checkpointing,
+    torch's pytree internals) and their thread-count advice off the screen, in this process and
+    in the ranks it starts: they are about the libraries, not the results. gradaccel's own
+    warnings still show."""
+    quiet = ["ignore::FutureWarning", "ignore::DeprecationWarning",
+             "ignore:OMP_NUM_THREADS/MKL_NUM_THREADS unset:UserWarning"]
+    for rule in quiet:
+        action, message, category = (rule.split(":") + ["", ""])[:3]
+        warnings.filterwarnings(action, message=message, category=getattr(builtins, category or "Warning"))
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), *quiet]))
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     os.environ.setdefault("MPLBACKEND", "Agg")
+    _quiet_libraries()
     from bench import common, report
     import torch
 
