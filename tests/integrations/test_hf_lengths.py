@@ -13,18 +13,11 @@ datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
 import gradaccel  # noqa: E402
+from test_hf_stack import model_dir, tokenizer  # noqa: E402,F401 (the same tiny Llama and word-level tokenizer)
 from gradaccel.recompute.checkpoint import plan_rows, reset_plans  # noqa: E402
 from gradaccel.recompute.state import STATE  # noqa: E402
 
-A, MICRO, WINDOWS, VOCAB = 2, 2, 4, 64
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    vocab = {"[PAD]": 0, "[EOS]": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[PAD]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]")
+A, MICRO, WINDOWS, VOCAB = 2, 2, 4, 64  # VOCAB: test_hf_stack's
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +26,6 @@ def texts():
     gen = torch.Generator().manual_seed(1)
     lengths = (torch.rand(A * MICRO * WINDOWS, generator=gen) ** 2 * 38 + 2).long().tolist()
     return [" ".join(f"w{i}" for i in torch.randint(0, VOCAB - 2, (n,), generator=gen).tolist()) for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   pad_token_id=0, eos_token_id=1, bos_token_id=1)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return path
 
 
 def _args(cls, out, **kw):
