@@ -41,7 +41,8 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
 from gradaccel.memory.parts import install_parts, set_parts
-from gradaccel.memory.profile import PARTS, TILES, find_blocks
+from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
+from gradaccel.memory.profile import PARTS, TILES, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute
 
 __all__ = ["MemoryTarget", "set_plans"]
@@ -133,9 +134,6 @@ class MemoryTarget:
     def _profile(self, module, args, kwargs, head, predict=True):
         """The step's profile at this call's length: predicted from the structure's profiles
         at other lengths (gradaccel/memory/lengths.py) where it can be, else a fake-tensor run."""
-        from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
-        from gradaccel.memory.profile import Profile
-
         def run(a, kw):
             return Profile(module, _step, (a, kw), grad_hooks=False, prepare=lambda m: set_head(m, head),
                            trajectories=True)
