@@ -13,7 +13,9 @@ Variants, each on its own copy of the same model:
   baseline of the table;
 - ``gradaccel-budget0.5``: ``checkpoint_blocks(model, budget=0.5)``;
 - ``gradaccel-memory``: ``checkpoint_blocks(model, memory=0.6 x torch-nockpt's peak at the
-  longest length)``;
+  longest length, seq=max length)`` (the longest length stated, as TRL's ``max_length`` states
+  it: the first call profiles the whole range; without it, each new longest length is profiled
+  once more when it comes);
 - ``gradaccel-fit``: ``gradaccel.fit.fit(model, seq=max length, batch, memory=same).apply()``.
 
 Metrics: ``time`` (seconds of the new-length steps, forward, backward and an SGD step), and
@@ -95,7 +97,7 @@ class _Variant:
         elif name == "gradaccel-budget0.5":
             gradaccel.checkpoint_blocks(self.model, budget=0.5)
         elif name == "gradaccel-memory":
-            gradaccel.checkpoint_blocks(self.model, memory=target)
+            gradaccel.checkpoint_blocks(self.model, memory=target, seq=c["max_len"])
         elif name == "gradaccel-fit":
             from gradaccel.memory.fit import fit
 

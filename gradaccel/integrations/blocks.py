@@ -15,7 +15,7 @@ from gradaccel.recompute import blocks
 __all__ = ["checkpoint_blocks"]
 
 
-def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="flops", offload=False):
+def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="flops", offload=False, seq=None):
     """Checkpoint each repeated block of ``model`` in place, through ``gradaccel.checkpoint``.
 
     In training mode with grad enabled, each block's forward runs inside
@@ -66,6 +66,12 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
             held for backward where the loss would set the peak (see gradaccel/memory/target.py).
             ``model.train()`` with a loss the model computes (``labels``) is what is profiled;
             for a plain module, its output summed.
+        seq (None | int): with ``memory``, the longest sequence length training will see (TRL's
+            ``max_length``, a tokenizer's truncation length). The first training call profiles
+            lengths from 8 tokens up to ``seq``, and every length in that range is then planned
+            with no fake-tensor run. None: the range is the longest length seen so far, and a
+            longer one is profiled once more when it comes (seconds, mid-training). See
+            docs/memory-lengths.md.
         cost ("flops" | "measured" | callable): the recompute cost model, as in
             :func:`gradaccel.checkpoint`.
         offload (bool): as in :func:`gradaccel.checkpoint`: what a block's budget leaves out may
@@ -75,7 +81,8 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
         nn.Module: ``model`` itself.
 
     Raises:
-        ValueError: bad ``budget``, ``cost`` or ``memory`` (or both given), no block found, or ``block_types``
+        ValueError: bad ``budget``, ``cost``, ``memory`` or ``seq`` (or both budget and memory given, or
+            ``seq`` without ``memory``), no block found, or ``block_types``
             given for a Hugging Face model.
         RuntimeError: ``model`` is already checkpointed.
     """
@@ -86,7 +93,12 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
             raise ValueError("give checkpoint_blocks either budget (per block) or memory (for all blocks), not both")
         memory = parse_bytes(memory, "memory")
         budget = 0  # keep nothing until the first training call splits memory across the blocks
+    if seq is not None:
+        if memory is None:
+            raise ValueError("seq is the longest length memory= plans for: give it with memory=")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            raise ValueError(f"seq must be an int >= 1, got {seq!r}")
     blocks.install(model, budget, block_types, cost, offload)
     if memory is not None:
-        model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model), with_kwargs=True)
+        model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model, seq), with_kwargs=True)
     return model

@@ -91,6 +91,7 @@ class MemoryTarget:
 
     Attributes:
         memory: the target in bytes.
+        seq: the longest length the first call profiles for, or None (the call's own).
         chosen: input signature -> ``(mode, predicted peak, floor)``; mode is ``"blocks"`` when
             every block runs a checkpoint plan (or none) and the loss is the model's, else a
             tuple of what the plan also uses: ``"parts"`` (blocks run as their parts),
@@ -99,8 +100,8 @@ class MemoryTarget:
             model's loss, the least per-block checkpoints reach.
     """
 
-    def __init__(self, memory: int, blocks: list, model: nn.Module):
-        self.memory = memory
+    def __init__(self, memory: int, blocks: list, model: nn.Module, seq: int | None = None):
+        self.memory, self.seq = memory, seq
         self.seen = {}
         self.chosen = {}
         self.lengths = {}  # structure key -> LengthProfile (gradaccel/memory/lengths.py)
@@ -112,14 +113,20 @@ class MemoryTarget:
         if getattr(_busy, "on", False) or not (module.training and torch.is_grad_enabled()):
             return None
 
-        flat = tree_flatten((args, kwargs))[0]
-        key = tuple((tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor))
+        key = _key(args, kwargs)
         blocks = find_blocks(module)
         if key not in self.seen:
             self._set(module, blocks, False, [0] * len(blocks))
+            length, structure = length_of(tree_flatten((args, kwargs))[0])
+            new = structure is not None and (structure, False) not in self.lengths
             _busy.on = True
             try:
                 self.seen[key], self.chosen[key] = self._choose(module, args, kwargs)
+                if new and self.seq is not None and length < self.seq:
+                    # The longest length planned now, not mid-training: a loss in chunks it needs
+                    # (its own structure, profiled at four lengths) is profiled at this first call.
+                    a, kw = at_length((args, kwargs), length, self.seq)
+                    self.seen[_key(a, kw)], self.chosen[_key(a, kw)] = self._choose(module, a, kw)
             finally:
                 _busy.on = False
                 torch.clear_autocast_cache()
@@ -146,7 +153,8 @@ class MemoryTarget:
         structure = (structure, head)
         lp = self.lengths.get(structure)
         if lp is None:
-            lengths = profile_lengths(length)
+            self._past_seq(length)
+            lengths = profile_lengths(max(length, self.seq or 0))
             if lengths is None:
                 return run(args, kwargs)
             try:
@@ -160,12 +168,19 @@ class MemoryTarget:
                               stacklevel=5)
         try:
             if lp.failed is None and not lp.covers(length):
+                self._past_seq(length)
                 lp.extend(length)  # one fake-tensor run, checked against the fit: covered from now on
             if lp.covers(length):
                 return lp.at(length)
         except Exception as e:  # noqa: BLE001 (a length the fit cannot predict: profiled itself)
             lp.failed = repr(e)
         return run(args, kwargs)
+
+    def _past_seq(self, length):
+        if self.seq is not None and length > self.seq:
+            warnings.warn(f"gradaccel.checkpoint_blocks(memory=...): a step of length {length} is longer than "
+                          f"seq={self.seq}: it is profiled on fake tensors once, and the planned range grows to it",
+                          UserWarning, stacklevel=6)
 
     @staticmethod
     def _set(model, blocks, head, settings):
@@ -208,6 +223,11 @@ class MemoryTarget:
         used = {s for s in settings if s in (PARTS, TILES)}
         mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", TILES in used), ("head", head)) if on)
         return (head, settings), (mode or "blocks", peak, floor)
+
+
+def _key(args, kwargs) -> tuple:
+    """A call's input signature: its tensors' shapes and dtypes."""
+    return tuple((tuple(t.shape), t.dtype) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
 
 
 class _Unprofiled:

@@ -198,3 +198,32 @@ def test_memory_budgets_per_length_do_not_retrace_the_blocks():
     assert len(budgets) >= 3  # the plans really changed with the length
     traces = [s.traces for layer in model.model.layers for s in STATE.shapes.get(layer, {}).values()]
     assert sum(traces) <= len(model.model.layers), traces
+
+
+def test_memory_with_seq_profiles_the_stated_range_at_the_first_call():
+    """checkpoint_blocks(memory=..., seq=160): the first call, at 16 tokens, profiles the range up
+    to 160 (four fake-tensor runs); no length up to seq is profiled again, each stays under the
+    target, and a length past seq is profiled once with a warning."""
+    gradaccel.reset_plans()
+    ref, model = _GPT(), _GPT()
+    ids = {t: torch.randint(0, 64, (1, t), generator=torch.Generator().manual_seed(t)) for t in (16, 101, 160, 170)}
+    memory = int(0.97 * _train_peak(ref, ids[160]))
+    gradaccel.checkpoint_blocks(model, memory=memory, seq=160)
+    before = profile_runs()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="gradaccel")
+        for t in (16, 101, 160):
+            model(ids[t])  # plans this length (LiveBytes would count the first call's fake tensors)
+            assert profile_runs() == before + 4, t  # 8, 84, 122, 160: all at the first call
+            assert _train_peak(model, ids[t]) <= memory, t
+    with pytest.warns(UserWarning, match="longer than seq=160"):
+        _train_peak(model, ids[170])
+    assert profile_runs() == before + 5
+
+
+@pytest.mark.parametrize("kwargs, match", [({"seq": 128}, "with memory="),
+                                           ({"memory": "1GiB", "seq": 0}, "seq must be an int"),
+                                           ({"memory": "1GiB", "seq": 12.5}, "seq must be an int")])
+def test_memory_seq_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gradaccel.checkpoint_blocks(_GPT(), **kwargs)
