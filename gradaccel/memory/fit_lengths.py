@@ -7,6 +7,7 @@ but it is not the least-recompute plan there, and at a longer length it would no
 Re-planning is the knapsack (gradaccel/memory/split.py) on the predicted profile: milliseconds.
 """
 
+import copy
 import threading
 import warnings
 
@@ -36,6 +37,13 @@ class FittedLengths:
         self.fit, self.planner, self.blocks = fit, planner, blocks
         self.plans = {fit.seq: list(fit.budgets)}
         self.profiled = []
+
+    def __deepcopy__(self, memo):
+        # A copy of the model shares the fit and its planner (its profiles hold fake copies of
+        # the model, which the profiler would otherwise copy on every run) and keeps its plans.
+        new = copy.copy(self)
+        new.plans, new.profiled = dict(self.plans), list(self.profiled)
+        return new
 
     def __call__(self, module, args, kwargs):
         if getattr(_busy, "on", False) or not (module.training and torch.is_grad_enabled()):

@@ -32,6 +32,7 @@ checkpointing (up to the order of floating-point sums). ``gradaccel.fit`` plans 
 choices.
 """
 
+import copy
 import threading
 import warnings
 
@@ -108,6 +109,13 @@ class MemoryTarget:
         for b in blocks:
             install_parts(b)
         self.has_head = install_head(model)
+
+    def __deepcopy__(self, memo):
+        # A copy of the model plans for itself. Its profiles hold fake copies of the model: a
+        # deep copy would copy every one of them (and the profiler copies the model each run).
+        new = copy.copy(self)
+        new.seen, new.chosen, new.lengths = {}, {}, {}
+        return new
 
     def __call__(self, module, args, kwargs):
         if getattr(_busy, "on", False) or not (module.training and torch.is_grad_enabled()):

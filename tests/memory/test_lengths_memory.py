@@ -219,6 +219,12 @@ def test_memory_with_seq_profiles_the_stated_range_at_the_first_call():
     with pytest.warns(UserWarning, match="longer than seq=160"):
         _train_peak(model, ids[170])
     assert profile_runs() == before + 5
+    # A copy of the model plans for itself: its target keeps the settings, not the profiles
+    # (fake copies of the model, which each profile run would otherwise copy again).
+    twin = copy.deepcopy(model)
+    hook = next(h for h in twin._forward_pre_hooks.values() if isinstance(h, MemoryTarget))
+    assert (hook.memory, hook.seq, hook.lengths, hook.seen) == (memory, 160, {}, {})
+    assert _train_peak(twin, ids[101]) > 0 and profile_runs() == before + 9
 
 
 @pytest.mark.parametrize("kwargs, match", [({"seq": 128}, "with memory="),
