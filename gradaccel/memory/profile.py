@@ -74,13 +74,20 @@ def find_blocks(model: nn.Module) -> list:
     return found or _find_blocks(model)
 
 
+_ABSENT = object()
+
+
 def block_kind(block: nn.Module) -> tuple:
     """Blocks with equal kinds trace alike: class, parameter shapes, dtypes and trainability,
-    and plain settings (``attention_type``, ``eps``), except layer indices."""
+    and plain settings (``attention_type``, ``eps``), except layer indices, gradaccel's own
+    plan settings (``_gradaccel_budget``, parts on or off: inputs of a plan, which the profile
+    chooses itself) and settings equal to their class's default (``gradient_checkpointing =
+    False`` once set on the instance)."""
     parts = []
     for name, m in block.named_modules():
         attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
-                             if _plain(v) and not k.endswith(("idx", "index"))))
+                             if _plain(v) and not k.endswith(("idx", "index")) and not k.startswith("_gradaccel_")
+                             and getattr(type(m), k, _ABSENT) != v))
         params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in m._parameters.items() if p is not None)
         parts.append((name, type(m).__qualname__, attrs, params))
     return tuple(parts)
@@ -200,6 +207,8 @@ class Profile:
         for b in self.blocks:
             if getattr(b, "gradient_checkpointing", False):
                 b.gradient_checkpointing = False  # the profile runs blocks itself
+            if "_gradaccel_fine" in b.__dict__ and has_parts(b):
+                set_parts(b, False)  # the plan the model runs now (a fit's, say) is not what is profiled
         kinds: dict = {}
         for i, b in enumerate(self.blocks):
             kinds.setdefault(block_kind(b), Kind(block_kind(b), [])).blocks.append(i)

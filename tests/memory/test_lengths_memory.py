@@ -233,3 +233,26 @@ def test_memory_with_seq_profiles_the_stated_range_at_the_first_call():
 def test_memory_seq_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         gradaccel.checkpoint_blocks(_GPT(), **kwargs)
+
+
+def test_profile_does_not_depend_on_the_plan_the_model_runs():
+    """A profile made after a plan is applied (a fit's hook profiling a new length: blocks with
+    different byte budgets, one run as its parts) groups the blocks and traces them as one made
+    before: the plan is what the profile chooses, not what it measures. Found on fit's applied
+    plan at padded batches of 4, which profiled every length."""
+    from gradaccel.memory.lengths import _structure
+    from gradaccel.memory.profile import PARTS, find_blocks
+    from gradaccel.memory.target import set_plans
+
+    model = _llama(layers=2)
+
+    def make():
+        ids = torch.zeros(1, 24, dtype=torch.long)
+        return Profile(model, _step, ((), {"input_ids": ids, "labels": ids, "use_cache": False}), grad_hooks=False)
+
+    plain = make()
+    gradaccel.checkpoint_blocks(model, budget=0)
+    set_plans(model, find_blocks(model), False, [PARTS, 4096])
+    planned = make()
+    assert [k.blocks for k in planned.kinds] == [k.blocks for k in plain.kinds] == [[0, 1]]
+    assert _structure(planned.kinds[0].graph) == _structure(plain.kinds[0].graph)
