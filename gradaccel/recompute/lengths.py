@@ -29,6 +29,7 @@ that strays from the prediction keeps what it saves and is traced again next tim
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import threading
 import warnings
@@ -337,6 +338,26 @@ def _symbolic_pass(template: Template, fn, flat: list, spec):
         out = fn(*args, **kwargs)
     graph.finish(out)
     return graph, env, sources, checks
+
+
+@functools.cache
+def sizes_matmul() -> bool:
+    """Whether this torch's ``matmul`` keeps symbolic sizes symbolic (torch 2.13 does). Before,
+    its C++ code read a batched operand's sizes as plain ints, which pins the symbolic pass to
+    the template's sizes: a region that multiplies batched matrices (attention's ``q @ k^T``, a
+    ``Linear`` without bias on 3-d input) then has no formulas and is traced per size, as it was
+    before sizing (correct, not sized)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    env = ShapeEnv(duck_shape=False)
+    mode = FakeTensorMode(shape_env=env)
+    x = mode.from_tensor(torch.empty(2, 3, 4), source=ConstantSource("gradaccel_probe"),
+                         symbolic_context=StatelessSymbolicContext([DimDynamic.DYNAMIC] * 3))
+    with mode:
+        x @ x.transpose(1, 2)
+    return not any(v.is_number for v in env.replacements.values())
 
 
 def analyse(template: Template, fn, flat: list, spec):

@@ -15,6 +15,7 @@ from gradaccel.memory.lengths import LengthProfile, profile_lengths
 from gradaccel.memory.profile import KEEP_ALL, Profile, profile_runs
 from gradaccel.memory.target import MemoryTarget, _step
 from gradaccel.memory.counter import LiveBytes, measured_peak
+from _models import sized_matmul
 
 transformers = pytest.importorskip("transformers")
 
@@ -170,6 +171,7 @@ def test_fit_applies_a_plan_per_length_up_to_seq():
     assert hook.plans[9] != result.budgets
 
 
+@sized_matmul
 def test_memory_budgets_per_length_do_not_retrace_the_blocks():
     # memory= sets each block a byte budget per length; the budget is a plan input, not a trace
     # input, so a block is traced once and every other length (and budget) is sized, not traced.
