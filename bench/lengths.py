@@ -22,12 +22,12 @@ Metrics: ``time`` (seconds of the new-length steps, forward, backward and an SGD
 ``new_vs_planned``: those seconds over the seconds of a second step at each length (a planned
 step; 1.00x means a new length costs nothing extra). Each length is run by every variant in
 turn (first call, then the planned call), so drifts in machine speed hit all alike. Then, on a
-few more new lengths and the longest, under counters: ``peak_bytes`` (the most live tensor bytes in a step,
-gradaccel.memory.LiveBytes), ``peak_vs_target`` (that peak over the memory target, for the
-variants given one: at most 1 where the target holds) and ``recompute_flops`` (the step's backward FLOPs less
-no checkpointing's, torch's FlopCounterMode), on the first call at each length (for
-``gradaccel-memory``, the second: its first call at a length profiles the model on fake tensors,
-whose bytes LiveBytes would count).
+few more new lengths and the longest, under counters: ``peak_bytes`` (the most live tensor
+bytes in a step, gradaccel.memory.LiveBytes), ``peak_vs_target`` (that peak over the memory
+target, for the variants given one: at most 1 where the target holds) and ``recompute_flops``
+(the step's backward FLOPs less no checkpointing's, torch's FlopCounterMode), on the first call
+at each length (for ``gradaccel-memory``, the second: a first call that profiles on fake
+tensors would have their bytes counted by LiveBytes).
 """
 
 import copy

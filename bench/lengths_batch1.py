@@ -1,5 +1,5 @@
 """The lengths suite's batch-1 case alone, as a table (``python -m bench --suite lengths`` runs
-batch 1 and padded batches of 4; the latter is slow under memory=, see docs/lengths.md)::
+batch 1 and padded batches of 4)::
 
     PYTHONPATH=. python bench/lengths_batch1.py
 """
