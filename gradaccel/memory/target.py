@@ -106,6 +106,7 @@ class MemoryTarget:
         self.seen = {}
         self.chosen = {}
         self.lengths = {}  # structure key -> LengthProfile (gradaccel/memory/lengths.py)
+        self.first = {}  # structure key -> the first length it was called at
         for b in blocks:
             install_parts(b)
         self.has_head = install_head(model)
@@ -114,7 +115,7 @@ class MemoryTarget:
         # A copy of the model plans for itself. Its profiles hold fake copies of the model: a
         # deep copy would copy every one of them (and the profiler copies the model each run).
         new = copy.copy(self)
-        new.seen, new.chosen, new.lengths = {}, {}, {}
+        new.seen, new.chosen, new.lengths, new.first = {}, {}, {}, {}
         return new
 
     def __call__(self, module, args, kwargs):
@@ -161,8 +162,14 @@ class MemoryTarget:
         structure = (structure, head)
         lp = self.lengths.get(structure)
         if lp is None:
+            # Without seq, the first length of a structure is profiled alone: data of one length
+            # (packed, or padded to a fixed length) never needs more. The second length profiles
+            # the range that holds both.
+            first = self.first.setdefault(structure, length)
+            if self.seq is None and first == length:
+                return run(args, kwargs)
             self._past_seq(length)
-            lengths = profile_lengths(max(length, self.seq or 0))
+            lengths = profile_lengths(max(length, first, self.seq or 0))
             if lengths is None:
                 return run(args, kwargs)
             try:

@@ -108,8 +108,9 @@ def _train_peak(model, ids):
 
 
 def test_memory_holds_at_every_length_without_profiling_each():
-    """memory= on a model trained at many lengths: after the first call, no fake-tensor profile
-    for a length inside the profiled range; each length's measured peak is under the target
+    """memory= on a model trained at many lengths: the first length is profiled alone, the
+    second profiles the range holding both, then no fake-tensor profile runs for a length
+    inside it; each length's measured peak is under the target
     and its gradients are those without checkpointing. A length past the longest seen is
     profiled once, and the lengths up to it are covered from then on."""
     gradaccel.reset_plans()
@@ -121,8 +122,10 @@ def test_memory_holds_at_every_length_without_profiling_each():
     target = next(h for h in model._forward_pre_hooks.values() if isinstance(h, MemoryTarget))
     before = profile_runs()
     _train_peak(model, ids[128])
+    assert profile_runs() - before == 1  # one length so far: profiled alone (fixed-length data needs no more)
+    model(ids[16])
     runs = profile_runs()
-    assert runs - before == 4  # the profiled lengths: 8, 68, 98, 128 (profile_lengths)
+    assert runs - before == 5  # a second length: the range, 8, 68, 98, 128 (profile_lengths)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="gradaccel")  # none of ours: the target fits at each length
         for t in (16, 37, 101, 127, 128, 160, 150):
