@@ -153,11 +153,16 @@ def _split_rows(device: str) -> list[dict]:
         model(x).sum().backward()
         for t in [x, *model.parameters()]:
             t.grad = None
-        with LiveBytes() as live, FlopCounterMode(display=False) as counter:
-            loss = model(x).sum()  # what memory= profiles a plain module's step with
-            before = counter.get_total_flops()
+        with LiveBytes() as live:  # alone: under FlopCounterMode a recomputing step's peak is higher
+            model(x).sum().backward()  # what memory= profiles a plain module's step with
+        for t in [x, *model.parameters()]:
+            t.grad = None
+        loss = model(x).sum()
+        with FlopCounterMode(display=False) as counter:
             loss.backward()
-        return counter.get_total_flops() - before, live.peak
+        for t in [x, *model.parameters()]:
+            t.grad = None
+        return counter.get_total_flops(), live.peak
 
     base_flops, base_peak = measure(make())
     rows = [row(SUITE, case, "torch-nockpt", "peak_bytes", base_peak, "B", device)]
