@@ -7,7 +7,7 @@ at the first training call by gradaccel/memory/target.py.
 
 import torch.nn as nn
 
-from gradaccel.memory.counter import parse_bytes
+from gradaccel.memory.counter import check_count, parse_bytes
 from gradaccel.memory.profile import find_blocks
 from gradaccel.memory.target import MemoryTarget
 from gradaccel.recompute import blocks
@@ -96,8 +96,7 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
     if seq is not None:
         if memory is None:
             raise ValueError("seq is the longest length memory= plans for: give it with memory=")
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-            raise ValueError(f"seq must be an int >= 1, got {seq!r}")
+        check_count(seq, "seq")
     blocks.install(model, budget, block_types, cost, offload)
     if memory is not None:
         model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model, seq), with_kwargs=True)

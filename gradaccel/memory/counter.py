@@ -27,11 +27,18 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel.recompute.storage import StorageMap, storage_key
 
-__all__ = ["LiveBytes", "Trajectory", "StorageLog", "held_activation_bytes", "measured_peak", "parse_bytes", "format_bytes",
-           "storage_bytes", "optimizer_state_bytes"]
+__all__ = ["LiveBytes", "Trajectory", "StorageLog", "held_activation_bytes", "measured_peak", "parse_bytes", "check_count",
+           "format_bytes", "storage_bytes", "optimizer_state_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def check_count(value, name: str) -> int:
+    """``value`` where it is an int >= 1 (a length, a batch), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
 
 
 def parse_bytes(value, name: str = "memory") -> int:

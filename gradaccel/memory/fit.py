@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from gradaccel.accumulate.optimizer import FusedAccumOptimizer
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
-from gradaccel.memory.counter import format_bytes, parse_bytes
+from gradaccel.memory.counter import check_count, format_bytes, parse_bytes
 from gradaccel.memory.fixed_parts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
                                           load_config, static_parts)
 from gradaccel.memory.presets import PRESETS
@@ -242,10 +242,7 @@ class Planner:
     def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None) -> Fit:
         """See :func:`fit`."""
         memory = parse_bytes(memory, "memory")
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-            raise ValueError(f"seq must be an int >= 1, got {seq!r}")
+        check_count(batch, "batch"), check_count(seq, "seq")
         slack = (memory // 20 + (512 << 20) if memory > (4 << 30) else memory // 20) if slack is None else \
             parse_bytes(slack, "slack")
         usable = memory - slack
