@@ -108,6 +108,32 @@ def stderr_without(pattern: str):
             sys.stderr.write("".join(kept))
 
 
+def pad_collate(items: list[dict]) -> dict:
+    """Examples of token ids (1-d ``input_ids``, optional ``labels``) as one batch padded at the
+    end to the longest: ``input_ids`` padded with 0, ``attention_mask``, and ``labels`` (an
+    example's own, else its ids) with -100 on the padding, as a padding collator gives them."""
+    n = max(len(x["input_ids"]) for x in items)
+    ids = torch.zeros((len(items), n), dtype=torch.long)
+    labels = torch.full((len(items), n), -100)
+    mask = torch.zeros((len(items), n), dtype=torch.long)
+    for i, x in enumerate(items):
+        k = len(x["input_ids"])
+        ids[i, :k], labels[i, :k], mask[i, :k] = x["input_ids"], x.get("labels", x["input_ids"]), 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def backward_flops(loss_fn: Callable[[], torch.Tensor]) -> int:
+    """FLOPs of the backward of ``loss_fn()`` (a checkpoint's recompute included), by torch's
+    FlopCounterMode; the forward runs outside it. Take a step's peak memory on another step:
+    under the counter a recomputing step's peak is higher (HF checkpointing's about 2x)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    loss = loss_fn()
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
 def hf_checkpointing(model) -> None:
     """Hugging Face gradient checkpointing on ``model``, non-reentrant, under the name the
     installed transformers has (5.x renamed ``gradient_checkpointing_enable``, which warns)."""

@@ -20,7 +20,7 @@ On CUDA the measured variant is also taken with ``torch.cuda.max_memory_allocate
 import torch
 
 import gradaccel
-from bench.common import hf_checkpointing, progress, pyplot, row, save_figure, tiny
+from bench.common import backward_flops, hf_checkpointing, progress, pyplot, row, save_figure, tiny
 from gradaccel.memory.fit import Planner, find_blocks, hf_step
 from gradaccel.memory.counter import measured_peak
 
@@ -132,7 +132,6 @@ def _split_rows(device: str) -> list[dict]:
     ``checkpoint_blocks(memory=P)`` with ``P`` the step peak that the fraction measured: at the
     same memory, the recompute FLOPs (the backward's FLOPs beyond those without checkpointing)
     and the step peak (``gradaccel.memory.LiveBytes``, gradients included), both measured."""
-    from torch.utils.flop_counter import FlopCounterMode
 
     from bench.models import Block, GPTConfig
     from gradaccel.memory.counter import LiveBytes
@@ -157,12 +156,10 @@ def _split_rows(device: str) -> list[dict]:
             model(x).sum().backward()  # what memory= profiles a plain module's step with
         for t in [x, *model.parameters()]:
             t.grad = None
-        loss = model(x).sum()
-        with FlopCounterMode(display=False) as counter:
-            loss.backward()
+        flops = backward_flops(lambda: model(x).sum())
         for t in [x, *model.parameters()]:
             t.grad = None
-        return counter.get_total_flops(), live.peak
+        return flops, live.peak
 
     base_flops, base_peak = measure(make())
     rows = [row(SUITE, case, "torch-nockpt", "peak_bytes", base_peak, "B", device)]

@@ -31,7 +31,8 @@ import time
 import torch
 
 import gradaccel
-from bench.common import hf_checkpointing, progress, pyplot, row, save_figure, stderr_without, time_interleaved, tiny
+from bench.common import (backward_flops, hf_checkpointing, progress, pyplot, row, save_figure, stderr_without,
+                          time_interleaved, tiny)
 
 SUITE = "frontier"
 BASELINE = "torch-nockpt"
@@ -90,16 +91,6 @@ def _peak(model, step, device):
     return profiled_peak(step)
 
 
-def _backward_flops(step_loss) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        loss = step_loss()
-        before = counter.get_total_flops()
-        loss.backward()
-    return counter.get_total_flops() - before
-
-
 def _grad_error(model, ref) -> float:
     worst = 0.0
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -127,7 +118,7 @@ def run(device: str, quick: bool) -> list[dict]:
     ref = _model(s, device)
     ref_loss, ref_step = stepper(ref)
     ref_step()
-    base_flops = _backward_flops(ref_loss)
+    base_flops = backward_flops(ref_loss)
     progress(f"{case} torch-nockpt")
     base_peak = _peak(ref, ref_step, device)
     eager = {"torch-nockpt": (ref, ref_step)}
@@ -148,7 +139,7 @@ def run(device: str, quick: bool) -> list[dict]:
             raise AssertionError(f"{name}: gradients differ from torch-nockpt by {err:.2e} of the largest")
         rows.append(row(SUITE, case, name, "peak_bytes", _peak(m, step, device) if m is not ref else base_peak,
                         "B", device))
-        flops[name] = _backward_flops(stepper(m)[0]) - base_flops
+        flops[name] = backward_flops(stepper(m)[0]) - base_flops
         rows.append(row(SUITE, case, name, "recompute_flops", flops[name], "FLOP", device))
     reps = 1 if tiny() else 5
     times = time_interleaved({n: st for n, (_, st) in eager.items()}, device, warmup=1, reps=reps)

@@ -35,10 +35,9 @@ import time
 
 import numpy as np
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 import gradaccel
-from bench.common import progress, pyplot, row, save_figure, tiny
+from bench.common import backward_flops, hf_checkpointing, progress, pyplot, row, save_figure, tiny
 
 SUITE = "lengths"
 BASELINE = "torch-hf-ckpt"
@@ -92,10 +91,7 @@ class _Variant:
         self.model = copy.deepcopy(base)
         opt = torch.optim.SGD(self.model.parameters(), lr=0.0)
         if name == "torch-hf-ckpt":
-            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers 5 renamed it
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf_checkpointing(self.model)
         elif name == "gradaccel-budget0.5":
             gradaccel.checkpoint_blocks(self.model, budget=0.5)
         elif name == "gradaccel-memory":
@@ -128,12 +124,10 @@ def _peak(variant, inputs) -> int:
 
 def _backward_flops(variant, inputs) -> int:
     """FLOPs of one step's backward (recompute included)."""
-    loss = variant.model(**inputs).loss
-    with FlopCounterMode(display=False) as counter:
-        loss.backward()
+    flops = backward_flops(lambda: variant.model(**inputs).loss)
     variant.opt.step()
     variant.opt.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
+    return flops
 
 
 def _case(c, batch, device, rows, fails):
