@@ -29,6 +29,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from bench.common import pad_collate
+
 VARIANTS = ("torch-ddp-trainer", "gradaccel-trainer")
 
 
@@ -58,17 +60,6 @@ def _data(n: int, vocab: int, seq: int):
     return [{"input_ids": torch.randint(2, vocab, (k,), generator=gen)} for k in lengths]
 
 
-def _collate(items):
-    n = max(len(x["input_ids"]) for x in items)
-    ids = torch.zeros((len(items), n), dtype=torch.long)
-    labels = torch.full((len(items), n), -100)
-    mask = torch.zeros((len(items), n), dtype=torch.long)
-    for i, x in enumerate(items):
-        k = len(x["input_ids"])
-        ids[i, :k], labels[i, :k], mask[i, :k] = x["input_ids"], x["input_ids"], 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 def _held(model, trainer, fused) -> int:
     grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
              for p in model.parameters() if p.grad is not None}
@@ -93,7 +84,7 @@ def _run(variant, base, data, out, micro, accum, windows, device, world, checkpo
         use_cpu=not device.startswith("cuda"), ddp_backend=None if device.startswith("cuda") else "gloo",
         report_to=[], logging_strategy="no", save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
         learning_rate=1e-4, gradient_checkpointing=checkpointing, max_grad_norm=0.0, bf16=device.startswith("cuda"))
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=_collate)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=pad_collate)
     if variant.startswith("gradaccel"):
         # budget=None: the checkpoint keeps what HF's does, so the row compares the gradient's path
         # alone (selective recompute is the checkpoint suites' business).

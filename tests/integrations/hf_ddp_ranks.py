@@ -24,9 +24,10 @@ import peft  # noqa: E402
 import transformers  # noqa: E402
 
 import gradaccel  # noqa: E402
+from bench.common import pad_collate  # noqa: E402 (the padding collator the Trainer bench uses)
 from gradaccel.recompute.checkpoint import plan_rows, reset_plans  # noqa: E402
 
-A, MICRO, WINDOWS, VOCAB, PAD = 4, 2, 3, 64, 0
+A, MICRO, WINDOWS, VOCAB = 4, 2, 3, 64
 # The process group's timeout, and so gradaccel's check's. TrainingArguments(ddp_timeout=...) sets it
 # on GPUs; on CPU (use_cpu=True) transformers does not pass it on, so main() makes the state first.
 TIMEOUT_S = 10
@@ -51,17 +52,6 @@ def data(n=A * MICRO * WINDOWS * 2):
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(3, 12, (n,), generator=gen).tolist()
     return [{"input_ids": torch.randint(2, VOCAB, (k,), generator=gen)} for k in lengths]
-
-
-def pad_collate(items):
-    n = max(len(x["input_ids"]) for x in items)
-    ids = torch.full((len(items), n), PAD)
-    labels = torch.full((len(items), n), -100)
-    mask = torch.zeros((len(items), n), dtype=torch.long)
-    for i, x in enumerate(items):
-        k = len(x["input_ids"])
-        ids[i, :k], labels[i, :k], mask[i, :k] = x["input_ids"], x["input_ids"], 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def load(kind):

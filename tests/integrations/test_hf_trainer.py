@@ -11,9 +11,8 @@ pytest.importorskip("accelerate")
 
 import gradaccel  # noqa: E402
 from gradaccel.recompute.checkpoint import plan_rows, reset_plans  # noqa: E402
+from bench.common import pad_collate  # noqa: E402
 from test_trainer import A, MICRO, WINDOWS, _trainer, base_and_data  # noqa: E402,F401
-
-PAD = 0
 
 
 def uneven(data, seed=1):
@@ -21,17 +20,6 @@ def uneven(data, seed=1):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, 10, (len(data),), generator=gen).tolist()
     return [{"input_ids": d["input_ids"][:n], "labels": d["labels"][:n]} for d, n in zip(data, lengths)]
-
-
-def pad_collate(items):
-    n = max(len(x["input_ids"]) for x in items)
-    ids = torch.full((len(items), n), PAD)
-    labels = torch.full((len(items), n), -100)
-    mask = torch.zeros((len(items), n), dtype=torch.long)
-    for i, x in enumerate(items):
-        k = len(x["input_ids"])
-        ids[i, :k], labels[i, :k], mask[i, :k] = x["input_ids"], x["labels"], 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def run(base, data, out, gradaccel_budget=-1, resume=None, **kw):
