@@ -287,6 +287,24 @@ def _symbolic_trace(template: Template, fn, flat: list, spec):
         return _symbolic_pass(template, fn, flat, spec)
 
 
+def _symbolic_mode():
+    """(ShapeEnv, FakeTensorMode on it) for a symbolic pass."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv(duck_shape=False)  # one symbol per size: equal lengths by chance stay apart
+    return env, FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+
+
+def _symbolic_tensor(mode, t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` as a fake tensor of ``mode`` whose every size and stride is a symbol of its own."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    return mode.from_tensor(t, source=ConstantSource(name),
+                            symbolic_context=StatelessSymbolicContext([DimDynamic.DYNAMIC] * t.dim()))
+
+
 def _symbolic_pass(template: Template, fn, flat: list, spec):
     """Runs ``fn`` on fake tensors with symbolic sizes under the recorder. The hints are the
     template's sizes, so that the symbolic pass takes the template's path and its guards say
@@ -295,11 +313,9 @@ def _symbolic_pass(template: Template, fn, flat: list, spec):
     Returns (graph, shape_env, {symbol: (kind, flat index, dim)}, argument checks); a size
     int's source is ("int", flat index, None)."""
     from torch._dynamo.source import ConstantSource
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
 
-    env = ShapeEnv(duck_shape=False)  # one symbol per size: equal lengths by chance stay apart
-    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    env, mode = _symbolic_mode()
     sources, checks, fake = {}, [], []
     for i, x in enumerate(flat):
         if is_size_int(x):
@@ -315,9 +331,8 @@ def _symbolic_pass(template: Template, fn, flat: list, spec):
             continue
         # A fresh tensor of the template's geometry (not a view of something bigger, offset 0).
         shape, stride = template.geometry[i]
-        plain = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device)
-        f = mode.from_tensor(plain, source=ConstantSource(f"gradaccel_arg{i}"),
-                             symbolic_context=StatelessSymbolicContext([DimDynamic.DYNAMIC] * x.dim()))
+        f = _symbolic_tensor(mode, torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device),
+                             f"gradaccel_arg{i}")
         if x.requires_grad:
             f.requires_grad_(True)
         for kind, values in (("size", f.shape), ("stride", f.stride())):
@@ -347,14 +362,8 @@ def sizes_matmul() -> bool:
     the template's sizes: a region that multiplies batched matrices (attention's ``q @ k^T``, a
     ``Linear`` without bias on 3-d input) then has no formulas and is traced per size, as it was
     before sizing (correct, not sized)."""
-    from torch._dynamo.source import ConstantSource
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-
-    env = ShapeEnv(duck_shape=False)
-    mode = FakeTensorMode(shape_env=env)
-    x = mode.from_tensor(torch.empty(2, 3, 4), source=ConstantSource("gradaccel_probe"),
-                         symbolic_context=StatelessSymbolicContext([DimDynamic.DYNAMIC] * 3))
+    env, mode = _symbolic_mode()
+    x = _symbolic_tensor(mode, torch.empty(2, 3, 4), "gradaccel_probe")
     with mode:
         x @ x.transpose(1, 2)
     return not any(v.is_number for v in env.replacements.values())
