@@ -77,3 +77,26 @@ def assert_grads_match(ref, model):
         assert q.grad is not None, name
         scale = p.grad.abs().max().item() or 1.0
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6 * scale, msg=lambda m, name=name: f"{name}: {m}")
+
+
+class PlainBlock(nn.Module):
+    """A pre-norm block of plain modules, no config: attention by SDPA (``materialised=False``)
+    or as ``q @ k^T`` scores held for backward (``True``: quadratic in the length)."""
+
+    def __init__(self, width: int, heads: int, materialised: bool = False):
+        super().__init__()
+        self.heads, self.materialised = heads, materialised
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        if self.materialised:
+            att = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5
+            a = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1) @ v
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))

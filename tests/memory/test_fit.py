@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 import gradaccel  # noqa: E402
 from gradaccel.memory.fit import Planner, fit, hf_step, main  # noqa: E402
 from gradaccel.memory.counter import LiveBytes, measured_peak, parse_bytes  # noqa: E402
+from _models import PlainBlock  # noqa: E402
 
 # Three tiny Llama shapes: (hidden, intermediate, layers, heads, kv heads, vocab).
 SHAPES = [(32, 80, 2, 4, 2, 256), (48, 96, 3, 4, 4, 128), (64, 176, 2, 8, 2, 384)]
@@ -519,29 +520,13 @@ def test_offload_predicted_and_proposed(monkeypatch):
     assert not worse.fits and any(s.startswith("offload") and "on host" in s for s in worse.suggestions)
 
 
-class _GPTBlock(torch.nn.Module):
-    def __init__(self, width, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
-        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
-        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
-        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
-
-
 class _GPT(torch.nn.Module):
     """Not a Hugging Face model: no config, no ``.loss``; blocks found as the ModuleList."""
 
     def __init__(self, vocab=256, width=48, heads=4, layers=3):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, width)
-        self.blocks = torch.nn.ModuleList(_GPTBlock(width, heads) for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(PlainBlock(width, heads) for _ in range(layers))
         self.ln, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, vocab, bias=False)
 
     def forward(self, idx):

@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import gradaccel
 from gradaccel.memory.split import least_recompute
@@ -15,7 +14,7 @@ from gradaccel.memory.lengths import LengthProfile, profile_lengths
 from gradaccel.memory.profile import KEEP_ALL, Profile, profile_runs
 from gradaccel.memory.target import MemoryTarget, _step
 from gradaccel.memory.counter import LiveBytes, measured_peak
-from _models import sized_matmul
+from _models import PlainBlock, sized_matmul
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,23 +27,6 @@ def _llama(layers=2):
     return transformers.LlamaForCausalLM(cfg).train()
 
 
-class _GPTBlock(torch.nn.Module):
-    def __init__(self, width, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
-        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
-        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        att = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5  # materialised: quadratic in t
-        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
 class _GPT(torch.nn.Module):
     """Not a Hugging Face model (no loss in chunks): token ids in, logits out."""
 
@@ -52,7 +34,7 @@ class _GPT(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(vocab, width)
-        self.blocks = torch.nn.ModuleList(_GPTBlock(width, heads) for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(PlainBlock(width, heads, materialised=True) for _ in range(layers))
         self.head = torch.nn.Linear(width, vocab, bias=False)
 
     def forward(self, idx):
