@@ -207,7 +207,7 @@ class Profile:
         for b in self.blocks:
             if getattr(b, "gradient_checkpointing", False):
                 b.gradient_checkpointing = False  # the profile runs blocks itself
-            if "_gradaccel_fine" in b.__dict__ and has_parts(b):
+            if "_gradaccel_fine" in b.__dict__:
                 set_parts(b, False)  # the plan the model runs now (a fit's, say) is not what is profiled
         kinds: dict = {}
         for i, b in enumerate(self.blocks):
