@@ -42,13 +42,27 @@ struct Problem {
   std::vector<int64_t> candidate_value;  // the value backward needs if the candidate is dropped
   std::vector<bool> op_random;           // draws random numbers (replay needs the generator state)
 
+  // What does not depend on the budget, found by the first plan (prepare()): the candidates
+  // that must be kept, and the greedy seed's drops in order.
+  mutable bool prepared = false;
+  mutable std::vector<char> forced;
+  mutable std::vector<size_t> drops;
+  // replay_cost's working arrays, reused: the memory planner plans one problem at dozens of
+  // budgets, and each plan evaluates hundreds of keep sets.
+  mutable std::vector<char> available_, seen_, needed_;
+  mutable std::vector<int64_t> stack_;
+
   // Replay cost when candidate i is kept iff kept[i]; fills `ops` (as a mask) when given.
   double replay_cost(const std::vector<char>& kept, std::vector<char>* ops = nullptr) const {
-    std::vector<char> available(storage_available.begin(), storage_available.end());
+    std::vector<char>& available = available_;
+    available.assign(storage_available.begin(), storage_available.end());
     for (size_t i = 0; i < candidates.size(); ++i)
       if (kept[i]) available[candidates[i]] = 1;
-    std::vector<char> seen(value_producer.size(), 0), needed(op_cost.size(), 0);
-    std::vector<int64_t> stack;
+    std::vector<char>&seen = seen_, &needed = needed_;
+    seen.assign(value_producer.size(), 0);
+    needed.assign(op_cost.size(), 0);
+    std::vector<int64_t>& stack = stack_;
+    stack.clear();
     for (size_t i = 0; i < candidates.size(); ++i)
       if (!kept[i]) stack.push_back(candidate_value[i]);
     double cost = 0.0;
@@ -65,9 +79,11 @@ struct Problem {
       cost += op_cost[op];
       for (int64_t in : op_inputs[op]) stack.push_back(in);
     }
-    if (ops) *ops = std::move(needed);
+    if (ops) *ops = needed;
     return cost;
   }
+
+  void prepare() const;
 };
 
 struct Search {
@@ -110,32 +126,52 @@ struct Search {
   }
 };
 
-// Drops candidates one at a time, each time the one whose drop adds least cost per byte freed,
-// until the kept bytes fit. A quick feasible plan that seeds the exact search's bound.
-std::vector<char> greedy(const Problem& p, std::vector<char> kept, const std::vector<char>& forced,
-                         int64_t budget) {
-  int64_t kept_bytes = 0;
-  for (size_t i = 0; i < kept.size(); ++i)
-    if (kept[i]) kept_bytes += p.candidate_bytes[i];
-  double cost = p.replay_cost(kept);
-  while (kept_bytes > budget) {
-    size_t pick = kept.size();
+// A candidate that cannot be rebuilt even with every other one kept must be kept. And the greedy
+// seed: from keeping everything, drop candidates one at a time, each time the one whose drop adds
+// least cost per byte freed. Each pick depends only on what is kept so far, so the order of drops
+// is the same for every budget: found once here, and a budget stops it at the first prefix that
+// fits (seed()).
+void Problem::prepare() const {
+  if (prepared) return;
+  const size_t n = candidates.size();
+  std::vector<char> kept(n, 1);
+  forced.assign(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    kept[i] = 0;
+    if (replay_cost(kept) == kInfeasible) forced[i] = 1;
+    kept[i] = 1;
+  }
+  double cost = replay_cost(kept);
+  while (true) {
+    size_t pick = n;
     double pick_rate = kInfeasible;
-    for (size_t i = 0; i < kept.size(); ++i) {
-      if (!kept[i] || forced[i] || p.candidate_bytes[i] == 0) continue;
+    for (size_t i = 0; i < n; ++i) {
+      if (!kept[i] || forced[i] || candidate_bytes[i] == 0) continue;
       kept[i] = 0;
-      double c = p.replay_cost(kept);
+      double c = replay_cost(kept);
       kept[i] = 1;
-      double rate = (c - cost) / static_cast<double>(p.candidate_bytes[i]);
+      double rate = (c - cost) / static_cast<double>(candidate_bytes[i]);
       if (c < kInfeasible && rate < pick_rate) {
         pick_rate = rate;
         pick = i;
       }
     }
-    if (pick == kept.size()) break;  // nothing more can be dropped
+    if (pick == n) break;  // nothing more can be dropped
     kept[pick] = 0;
-    kept_bytes -= p.candidate_bytes[pick];
-    cost = p.replay_cost(kept);
+    drops.push_back(pick);
+    cost = replay_cost(kept);
+  }
+  prepared = true;
+}
+
+// A quick feasible plan that seeds the exact search's bound: the greedy drops until the kept
+// bytes fit (all of them where they never do).
+std::vector<char> seed(const Problem& p, int64_t budget) {
+  std::vector<char> kept(p.candidates.size(), 1);
+  int64_t kept_bytes = std::accumulate(p.candidate_bytes.begin(), p.candidate_bytes.end(), int64_t{0});
+  for (size_t i = 0; i < p.drops.size() && kept_bytes > budget; ++i) {
+    kept[p.drops[i]] = 0;
+    kept_bytes -= p.candidate_bytes[p.drops[i]];
   }
   return kept;
 }
@@ -189,18 +225,12 @@ struct Choice {
 
 Choice choose(const Problem& p, int64_t budget, int64_t node_limit) {
   const size_t n = p.candidates.size();
-
-  // A candidate that cannot be rebuilt even with every other one kept must be kept.
-  std::vector<char> kept(n, 1), forced(n, 0);
+  p.prepare();
+  const std::vector<char>& forced = p.forced;
+  std::vector<char> kept(n, 1);
   int64_t forced_bytes = 0;
-  for (size_t i = 0; i < n; ++i) {
-    kept[i] = 0;
-    if (p.replay_cost(kept) == kInfeasible) {
-      forced[i] = 1;
-      forced_bytes += p.candidate_bytes[i];
-    }
-    kept[i] = 1;
-  }
+  for (size_t i = 0; i < n; ++i)
+    if (forced[i]) forced_bytes += p.candidate_bytes[i];
 
   Search s{p, budget - forced_bytes, node_limit};
   for (size_t i = 0; i < n; ++i)
@@ -211,13 +241,13 @@ Choice choose(const Problem& p, int64_t budget, int64_t node_limit) {
   for (size_t d = s.order.size(); d-- > 0;) s.suffix_bytes[d] = s.suffix_bytes[d + 1] + p.candidate_bytes[s.order[d]];
 
   bool fits = forced_bytes <= budget;
-  std::vector<char> seed = greedy(p, kept, forced, budget);
+  std::vector<char> start = seed(p, budget);
   int64_t seed_bytes = 0;
   for (size_t i = 0; i < n; ++i)
-    if (seed[i]) seed_bytes += p.candidate_bytes[i];
+    if (start[i]) seed_bytes += p.candidate_bytes[i];
   if (seed_bytes <= budget) {
-    s.best = p.replay_cost(seed);
-    s.best_kept = seed;
+    s.best = p.replay_cost(start);
+    s.best_kept = start;
     s.found = true;
   }
   if (fits) {
@@ -226,7 +256,7 @@ Choice choose(const Problem& p, int64_t budget, int64_t node_limit) {
     s.run(0, 0);
   }
   Choice c;
-  c.kept = s.found ? s.best_kept : seed;
+  c.kept = s.found ? s.best_kept : start;
   std::vector<char> ops_mask;
   c.cost = p.replay_cost(c.kept, &ops_mask);
   c.steps = op_ids(ops_mask);
