@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 from gradaccel.recompute import lengths as _lengths
 from gradaccel.recompute.cost import OpCost, check_cost
 from gradaccel.recompute.frames import Frame, OffloadFrame, TraceFrame, store_for
-from gradaccel.recompute.plan import Plan, capture_rng, copy_device, make_plan, offload_cost_per_byte, rng_state_bytes
+from gradaccel.recompute.plan import Plan, Planner, capture_rng, copy_device, offload_cost_per_byte, rng_state_bytes
 from gradaccel.recompute.split_off import active, module_stack, split_off
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.storage import storage_key
@@ -82,7 +82,7 @@ _WARNED_SMALL = set()
 class _Region:
     """A traced region, its plan and counters, for one callable and one input signature."""
 
-    def __init__(self, name: str, graph: Graph, budget, flat_args: list, store=None):
+    def __init__(self, name: str, graph: Graph, budget, flat_args: list, store=None, planner: Planner | None = None):
         self.name = name
         self.store = store
         self.graph = graph
@@ -92,22 +92,20 @@ class _Region:
         self.calls = 1
         self.plan: Plan | None = None
         if not graph.dynamic:
-            self.plan = self._plan()
+            self.plan = self._plan(planner or Planner(graph))
 
     @property
     def budget_bytes(self) -> int:
         """The budget in bytes (what ``budget`` means: see :func:`checkpoint`)."""
         return self.budget if isinstance(self.budget, int) else int(self.budget * self.graph.activation_bytes)
 
-    def _plan(self) -> Plan:
+    def _plan(self, planner: Planner) -> Plan:
         copy_cost = None
         if self.store is not None:
             copy_cost = offload_cost_per_byte(copy_device(self.graph), self.graph.cost)
         # The saved generator state is held by the region too: it counts against the budget
         # where replay draws random numbers (read only then: a traced device may be fake).
-        random = any(op.random and op.replayable for op in self.graph.ops)
-        plan = make_plan(self.graph, self.budget_bytes, offload_cost_per_byte=copy_cost,
-                         rng_bytes=rng_state_bytes(self.graph) if random else 0)
+        plan = planner.plan(self.budget_bytes, copy_cost, rng_state_bytes(self.graph) if planner.random else 0)
         if not plan.fits:
             _warn_once(("fits", self.name),
                        f"gradaccel.checkpoint: {self.name} keeps {plan.kept_bytes} bytes, over its budget of "

@@ -29,8 +29,6 @@ class Plan:
     graph: Graph
     keep: list  # per pack: True = keep (the tensor stays alive), False = drop and replay
     steps: list  # op ids to replay, in order
-    reads: dict  # (op id, leaf index) -> Read: where a replayed op's tensor argument comes from
-    leaf_sources: dict  # storage -> Leaf: where a call finds each storage replay starts from
     uses_rng: bool
     kept_bytes: int  # activation bytes this plan holds after forward
     total_bytes: int  # activation bytes the region holds without checkpointing
@@ -42,6 +40,40 @@ class Plan:
     offloaded: set = dataclasses.field(default_factory=set)  # storages sent to host memory
     offloaded_bytes: int = 0
     fallback: "Plan | None" = None  # the plan without offload, if host memory runs out
+
+    # -- how replay finds its arguments (made when first read: the memory planner makes dozens of
+    # plans per length to compare their bytes and costs, and runs none of them) ----------------
+    @functools.cached_property
+    def reads(self) -> dict:
+        """(op id, leaf index) -> Read: where a replayed op's tensor argument comes from."""
+        steps, values, reads = set(self.steps), self.graph.values, {}
+        for op_id in self.steps:
+            for i, x in enumerate(self.graph.ops[op_id].leaves):
+                if isinstance(x, Ref):
+                    reads[(op_id, i)] = Read.META if x.meta_only else \
+                        Read.REPLAY if values[x.value][1] in steps else Read.LEAF
+        return reads
+
+    @functools.cached_property
+    def leaf_sources(self) -> dict:
+        """storage -> Leaf: where a call finds each storage replay starts from."""
+        graph = self.graph
+        needed = sorted({graph.ops[op_id].leaves[i].storage for (op_id, i), where in self.reads.items()
+                         if where is Read.LEAF})
+        first_pack = {}
+        for k, p in enumerate(graph.packs):
+            first_pack.setdefault(p.storage, k)
+        sources = {}
+        for s in needed:
+            if s in graph.outputs:
+                sources[s] = Leaf(Source.OUT, graph.outputs[s])
+            elif graph.storages[s].creator < 0:
+                sources[s] = graph.storages[s].external
+            elif s in self.offloaded:
+                sources[s] = Leaf(Source.OFFLOAD, s)
+            else:
+                sources[s] = Leaf(Source.PACK, first_pack[s])
+        return sources
 
     # -- what the forward needs (computed once per plan, read by every call's frame) ---------
     @functools.cached_property
@@ -241,6 +273,39 @@ def rebuildable(graph: Graph, sid: int) -> bool:
     return problem.replay([False])[0] != math.inf
 
 
+class Planner:
+    """A finished graph in the C++ planner's terms (gradaccel/ops/csrc/planner.cpp), made once:
+    plans it at any number of budgets. The memory planner asks for dozens of plans of one graph
+    at each length; the arrays are built for the first."""
+
+    def __init__(self, graph: Graph):
+        storages = graph.storages
+        packed = {p.storage for p in graph.packs}
+        self.graph, self.region = graph, graph.activations
+        # Outputs count as available only where autograd saves them too (and so holds them): one
+        # the caller drops must not be held for replay (y = x + f(x) frees f's output).
+        region = set(self.region)
+        self.available = [s.creator < 0 or (i in packed and i not in region) for i, s in enumerate(storages)]
+        final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
+        self.problem = _problem(graph, self.available, self.region, [storages[s].nbytes for s in self.region],
+                                [final[s] for s in self.region])
+        self.random = any(op.random and op.replayable for op in graph.ops)  # a replay may draw random numbers
+
+    def plan(self, budget_bytes: int, offload_cost_per_byte: float | None = None, rng_bytes: int = 0) -> Plan:
+        """The plan under ``budget_bytes``: see :func:`make_plan`."""
+        graph, region, available = self.graph, self.region, self.available
+        r = self.problem.plan(budget_bytes, rng_bytes=rng_bytes, copy_cost_per_byte=offload_cost_per_byte)
+        kept = {s for s, k in zip(region, r.kept) if k}
+        offloaded = {s for s, o in zip(region, r.offloaded) if o}
+        plan = _build(graph, region, available, kept, set(), r.fallback_steps, r.fallback_cost, r.exact, r.fits,
+                      r.budget)
+        if not offloaded:
+            return plan
+        with_offload = _build(graph, region, available, kept, offloaded, r.steps, r.cost, r.exact, r.fits, r.budget)
+        with_offload.fallback = plan
+        return with_offload
+
+
 def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
               offload_cost_per_byte: float | None = None, rng_bytes: int = 0) -> Plan:
     """Plans ``graph``, in one call of the C++ planner: under ``budget_bytes``, or (the traced
@@ -257,66 +322,32 @@ def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
         RuntimeError: ``dropped`` is given and cannot all be rebuilt (the traced call already
             freed them), e.g. because the region wrote in place to a tensor it did not create.
     """
+    if dropped is None:
+        return Planner(graph).plan(budget_bytes, offload_cost_per_byte, rng_bytes)
     storages = graph.storages
     packed = {p.storage for p in graph.packs}
-    region = graph.activations
-    candidates = region if dropped is None else sorted(dropped - set(graph.outputs))
-    # Outputs count as available only where autograd saves them too (and so holds them): one the
-    # caller drops must not be held for replay (y = x + f(x) frees f's output).
+    candidates = sorted(dropped - set(graph.outputs))
     available = [s.creator < 0 or (i in packed and i not in candidates) for i, s in enumerate(storages)]
     final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
-    nbytes = [storages[s].nbytes for s in candidates]
-    problem = _problem(graph, available, candidates, nbytes, [final[s] for s in candidates])
-    if dropped is not None:
-        # Nothing to choose: every candidate is dropped. (The search would keep a 0-byte one,
-        # such as the empty sentinel torch 2.11's checkpoint saves, which the call has freed.)
-        cost, steps = problem.replay([False] * len(candidates))
-        if cost == math.inf:
-            raise RuntimeError(
-                "gradaccel.checkpoint: the region writes in place to a tensor it did not create, so what it "
-                "saved for backward cannot be recomputed; use budget=0 (torch.utils.checkpoint) for this region.")
-        return _build(graph, region, available, set(), set(), steps, cost, True, True, 0)
-    r = problem.plan(budget_bytes, rng_bytes=rng_bytes, copy_cost_per_byte=offload_cost_per_byte)
-    kept = {s for s, k in zip(candidates, r.kept) if k}
-    offloaded = {s for s, o in zip(candidates, r.offloaded) if o}
-    plan = _build(graph, region, available, kept, set(), r.fallback_steps, r.fallback_cost, r.exact, r.fits,
-                  r.budget)
-    if not offloaded:
-        return plan
-    with_offload = _build(graph, region, available, kept, offloaded, r.steps, r.cost, r.exact, r.fits, r.budget)
-    with_offload.fallback = plan
-    return with_offload
+    problem = _problem(graph, available, candidates, [storages[s].nbytes for s in candidates],
+                       [final[s] for s in candidates])
+    # Nothing to choose: every candidate is dropped. (The search would keep a 0-byte one, such as
+    # the empty sentinel torch 2.11's checkpoint saves, which the call has freed.)
+    cost, steps = problem.replay([False] * len(candidates))
+    if cost == math.inf:
+        raise RuntimeError(
+            "gradaccel.checkpoint: the region writes in place to a tensor it did not create, so what it "
+            "saved for backward cannot be recomputed; use budget=0 (torch.utils.checkpoint) for this region.")
+    return _build(graph, graph.activations, available, set(), set(), steps, cost, True, True, 0)
 
 
 def _build(graph, region, available, kept, offloaded, steps, cost, exact, fits, budget) -> Plan:
-    """The Plan for a choice: which storages are kept and offloaded, which ops replay."""
+    """The Plan for a choice: which storages are kept and offloaded, which ops replay (how replay
+    finds its arguments is worked out when a call first needs it: :attr:`Plan.reads`)."""
     storages = graph.storages
     on_device = lambda s: available[s] or s in kept  # noqa: E731
     keep = [on_device(p.storage) for p in graph.packs]
-    steps_set = set(steps)
-    reads, leaf_needed = {}, set()
-    for op_id in steps:
-        for i, x in enumerate(graph.ops[op_id].leaves):
-            if isinstance(x, Ref):
-                producer = graph.values[x.value][1]
-                where = Read.META if x.meta_only else Read.REPLAY if producer in steps_set else Read.LEAF
-                reads[(op_id, i)] = where
-                if where is Read.LEAF:
-                    leaf_needed.add(x.storage)
-    first_pack = {}
-    for k, p in enumerate(graph.packs):
-        first_pack.setdefault(p.storage, k)
-    leaf_sources = {}
-    for s in sorted(leaf_needed):
-        if s in graph.outputs:
-            leaf_sources[s] = Leaf(Source.OUT, graph.outputs[s])
-        elif storages[s].creator < 0:
-            leaf_sources[s] = storages[s].external
-        elif s in offloaded:
-            leaf_sources[s] = Leaf(Source.OFFLOAD, s)
-        else:
-            leaf_sources[s] = Leaf(Source.PACK, first_pack[s])
-    return Plan(graph, keep, steps, reads, leaf_sources, any(graph.ops[i].random for i in steps),
+    return Plan(graph, keep, steps, any(graph.ops[i].random for i in steps),
                 sum(storages[s].nbytes for s in region if on_device(s)), graph.activation_bytes, budget,
                 sum(graph.ops[i].flops for i in steps), cost, exact, fits,
                 offloaded=offloaded, offloaded_bytes=sum(storages[s].nbytes for s in offloaded))
