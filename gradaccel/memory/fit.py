@@ -173,6 +173,7 @@ class Planner:
         self.load_in_4bit, self.lora = load_in_4bit, lora
         self.profiles = {}
         self._lengths = {}
+        self._kinds_at = {}  # block kinds predicted at one length, shared by the length profiles
         # The loss in chunks (gradaccel/memory/target.py's head mode) is an option for a causal LM
         # with the stock loss, profiled as the model computes it. Its price per token:
         self.head_flops = head_flops(self.profiled) if loss_fn is None else 0
@@ -206,7 +207,7 @@ class Planner:
         key = (seq, micro_batch, chunked_loss)
         if key not in self._lengths:
             self._lengths[key] = LengthProfile(lambda t: self.profile(t, micro_batch, chunked_loss),
-                                               profile_lengths(seq) or [seq])
+                                               profile_lengths(seq) or [seq], self._kinds_at)
         return self._lengths[key]
 
     def fronts(self, prof, offload=False) -> list:

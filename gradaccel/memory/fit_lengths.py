@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_flatten
 
-from gradaccel.memory.split import least_peak, least_recompute
+from gradaccel.memory.split import least_peak, least_recompute, uncheckpointed
 from gradaccel.memory.lengths import length_of
 from gradaccel.memory.target import set_plans
 
@@ -82,6 +82,9 @@ class FittedLengths:
             prof = planner.profile(length, fit.micro_batch, fit.chunked_loss)
             self.profiled.append(length)
         room = fit.memory - fit.slack - planner.static.total - planner._dequantised(prof)
+        bare = uncheckpointed(prof, room, planner.layout) if room > 0 else None
+        if bare is not None:
+            return [None] * len(bare)  # every block fits uncheckpointed: nothing to recompute
         fronts = planner.fronts(prof)
         points = least_recompute(prof, fronts, room, layout=planner.layout) if room > 0 else None
         if points is None and hasattr(prof, "_source"):

@@ -32,6 +32,7 @@ profiled lengths.
 
 import copy
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -39,6 +40,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from gradaccel.memory.profile import KEEP_ALL, PARTS, Kind, Point, Profile
+from gradaccel.recompute.trace import Storage
 
 __all__ = ["LengthProfile", "profile_lengths", "length_of", "at_length"]
 
@@ -111,20 +113,16 @@ class _Run:
         return fwd, int(m.max(initial=0)), int(self.held(t)[0])
 
 
-def plan_keeping(graph, keep: tuple):
-    """The plan of ``graph`` that keeps the saved tensors ``keep`` says (per pack), whatever the
-    budget: a plan found at one length, made for another."""
-    from gradaccel.recompute.plan import _build, _problem
+def plan_keeping(kind: Kind, keep: tuple):
+    """The plan of ``kind``'s graph that keeps the saved tensors ``keep`` says (per pack),
+    whatever the budget: a plan found at one length, made for another."""
+    from gradaccel.recompute.plan import _build
 
-    storages, region = graph.storages, graph.activations
-    inside = set(region)
-    packed = {p.storage for p in graph.packs}
-    available = [s.creator < 0 or (i in packed and i not in inside) for i, s in enumerate(storages)]
-    kept = {graph.packs[k].storage for k, f in enumerate(keep) if f} & inside
-    final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
-    problem = _problem(graph, available, region, [storages[s].nbytes for s in region], [final[s] for s in region])
-    cost, steps = problem.replay([s in kept for s in region])
-    return _build(graph, region, available, kept, set(), steps, cost, True, True, 0)
+    planner = kind.planner
+    graph = planner.graph
+    kept = {graph.packs[k].storage for k, f in enumerate(keep) if f} & set(planner.region)
+    cost, steps = planner.problem.replay([s in kept for s in planner.region])
+    return _build(graph, planner.region, planner.available, kept, set(), steps, cost, True, True, 0)
 
 
 def _structure(graph) -> tuple:
@@ -140,14 +138,18 @@ class LengthProfile:
     Args:
         make: ``make(length) -> Profile`` (with ``trajectories=True``): one fake-tensor run.
         lengths: at least four lengths (:func:`profile_lengths`).
+        shared: a dict that length profiles of one model share (the step with the model's loss
+            and with the loss in chunks, whose blocks are the same): a kind of block predicted at
+            a length by one of them serves the others at that length, planned once.
 
     Attributes:
         failed: why lengths other than the profiled ones cannot be predicted, or None.
         profiles: length -> its :class:`Profile` (the profiled lengths are used as they are).
     """
 
-    def __init__(self, make, lengths: list):
+    def __init__(self, make, lengths: list, shared: dict | None = None):
         self.make, self.failed = make, None
+        self.shared = {} if shared is None else shared
         self.profiles = {}
         self.block_runs = 0  # block runs at profiled lengths made after the first fit (lazily)
         self._fits = None
@@ -224,8 +226,13 @@ class LengthProfile:
                 p.options(k)  # parts (and tiles) runs, as the profile makes them
             if all(PARTS in k._peaks for k in ks):
                 runs[PARTS] = self._runs(profs, j, lambda k: PARTS)
+            # What a kind predicted at a length depends on, but for its candidates' runs: another
+            # length profile's kind that agrees on all of it predicts the same kind. (Ops timed in
+            # their trace are left out: each profile times the same op anew, a sample of one price.)
+            same = (kind.key, tuple(kind.blocks), _structure(kind.graph), tuple(priced), graph.coef.tobytes(),
+                    flops.coef.tobytes(), cost.coef.tobytes(), zero)
             fits["kinds"].append({"nbytes": graph, "flops": flops, "cost": cost, "priced": priced, "runs": runs,
-                                  "zero": zero})
+                                  "zero": zero, "same": same})
         fits["moments"] = _Poly(lengths, [p.events[0] for p in profs])
         fits["marks"] = base.events[1]
         fits["pre"] = _Poly(lengths, [p.pre for p in profs])
@@ -281,7 +288,7 @@ class LengthProfile:
 
 def _keeping(kind: Kind, keep: tuple) -> Point:
     """``kind``'s plan keeping ``keep``, as a Point keyed by the keep set."""
-    plan = plan_keeping(kind.graph, keep)
+    plan = plan_keeping(kind, keep)
     replay = sum(kind.graph.storages[s].nbytes for i in plan.steps for s, _ in kind.graph.ops[i].new_storages)
     return Point(("keep", keep), plan.kept_bytes, plan.cost, plan.recompute_flops, replay, plan)
 
@@ -325,46 +332,15 @@ def _predicted(source: LengthProfile, t: int) -> Profile:
     prof.blocks, prof.grad_hooks, prof.trajectories, prof._terms = base.blocks, base.grad_hooks, False, {}
     prof._length = t
     prof.kinds = []
+    if source.shared.get("length") != t:  # kinds are shared within one length's planning
+        source.shared.clear()
+        source.shared["length"] = t
     for kind, fit in zip(base.kinds, fits["kinds"]):
-        graph = copy.copy(kind.graph)
-        flops, cost = fit["flops"](t), fit["cost"](t)
-        graph.storages = [dataclasses.replace(s, nbytes=int(b)) for s, b in zip(kind.graph.storages, fit["nbytes"](t))]
-        graph.ops = list(kind.graph.ops)
-        for i, f, c in zip(fit["priced"], flops, cost):
-            graph.ops[i] = dataclasses.replace(graph.ops[i], flops=int(f), cost=float(c))
-        graph.activation_bytes = sum(graph.storages[s].nbytes for s in graph.activations)
-        k = Kind(kind.key, list(kind.blocks), graph, kind.args, kind.kwargs, input_grads=kind.input_grads)
-        k.forward_cost = sum(op.cost for op in graph.ops)
-        k.zero = k.plan_at(1)
-        runs = fit["runs"]
-        if tuple(k.zero.plan.keep) != fit["zero"]:
-            raise ValueError(f"at length {t} the keep-least plan is not the profiled one")
-        k._peaks[k.zero.key] = runs[fit["zero"]].at(t)
-        k._peaks[KEEP_ALL] = runs[KEEP_ALL].at(t)
-        # The candidates that are the planner's own plan at t for their bytes: a budget of that
-        # many bytes gives gradaccel.checkpoint that very plan at t.
-        found = {k.zero.key: k.zero}
-        region = set(graph.activations)
-        for keep, run in runs.items():
-            if keep in (KEEP_ALL, PARTS) or run is None:
-                continue
-            kept = {kind.graph.packs[i].storage for i, f in enumerate(keep) if f} & region
-            p = k.plan_at(max(1, sum(graph.storages[sid].nbytes for sid in kept)))  # the bytes it keeps at t
-            if tuple(p.plan.keep) == keep and p.key not in found:
-                k._peaks[p.key] = run.at(t)
-                found[p.key] = p
-        front = []  # keep-least first; then each plan keeps more and recomputes less
-        for p in sorted(found.values(), key=lambda p: (p.kept, p is not k.zero)):
-            if not front or p.cost < front[-1].cost:
-                front.append(p)
-        k.__dict__["frontier"] = front
-        k._options = []
-        if PARTS in runs:
-            k._peaks[PARTS] = runs[PARTS].at(t)
-            point = Point(PARTS, k.zero.kept, k.zero.cost, k.zero.flops, 0, PARTS)
-            point.kept += k._peaks[PARTS][2] - k._peaks[k.zero.key][2]
-            k._options.append(point)
-        prof.kinds.append(k)
+        same = (fit["same"], tuple((keep, run.moments.coef.tobytes(), run.forward_end, run.held.coef.tobytes())
+                                   for keep, run in fit["runs"].items() if run is not None))
+        if same not in source.shared:
+            source.shared[same] = _kind_at(kind, fit, t)
+        prof.kinds.append(source.shared[same])
     prof.kind_of = {i: k for k in prof.kinds for i in k.blocks}
     moments = fits["moments"](t)
     phases, label, bounds = {}, None, [i for i, _ in fits["marks"]] + [len(moments)]
@@ -376,6 +352,62 @@ def _predicted(source: LengthProfile, t: int) -> Profile:
     prof.held = [int(v) for v in fits["held"](t)]
     prof.end_forward = int(fits["end"](t)[0])
     return prof
+
+
+def _kind_at(kind: Kind, fit: dict, t: int) -> Kind:
+    """``kind`` at length ``t``: its graph sized from the fits, its keep-least, keep-all and
+    parts runs; its frontier is made when first asked for (:class:`_KindAt`)."""
+    graph = copy.copy(kind.graph)
+    flops, cost = fit["flops"](t), fit["cost"](t)
+    graph.storages = [Storage(int(b), s.device, s.creator, s.external, s.versions)
+                      for s, b in zip(kind.graph.storages, fit["nbytes"](t))]
+    graph.ops = ops = list(kind.graph.ops)
+    for i, f, c in zip(fit["priced"], flops, cost):
+        op = ops[i] = copy.copy(ops[i])
+        op.flops, op.cost = int(f), float(c)
+    graph.activation_bytes = sum(graph.storages[s].nbytes for s in graph.activations)
+    k = _KindAt(kind.key, list(kind.blocks), graph, kind.args, kind.kwargs, input_grads=kind.input_grads)
+    k.fit, k.length = fit, t
+    k.forward_cost = sum(op.cost for op in graph.ops)
+    k.zero = k.plan_at(1)
+    runs = fit["runs"]
+    if tuple(k.zero.plan.keep) != fit["zero"]:
+        raise ValueError(f"at length {t} the keep-least plan is not the profiled one")
+    k._peaks[k.zero.key] = runs[fit["zero"]].at(t)
+    k._peaks[KEEP_ALL] = runs[KEEP_ALL].at(t)
+    k._options = []
+    if PARTS in runs:
+        k._peaks[PARTS] = runs[PARTS].at(t)
+        point = Point(PARTS, k.zero.kept, k.zero.cost, k.zero.flops, 0, PARTS)
+        point.kept += k._peaks[PARTS][2] - k._peaks[k.zero.key][2]
+        k._options.append(point)
+    return k
+
+
+class _KindAt(Kind):
+    """A kind at a predicted length. Its frontier costs a planner call per fitted candidate, so
+    it is made when first asked for: a step whose blocks all fit uncheckpointed never asks."""
+
+    @functools.cached_property
+    def frontier(self) -> list:
+        # The candidates that are the planner's own plan at this length for their bytes: a
+        # budget of that many bytes gives gradaccel.checkpoint that very plan here.
+        graph, t = self.graph, self.length
+        found = {self.zero.key: self.zero}
+        region = set(graph.activations)
+        for keep, run in self.fit["runs"].items():
+            if keep in (KEEP_ALL, PARTS) or run is None:
+                continue
+            kept = {graph.packs[i].storage for i, f in enumerate(keep) if f} & region
+            p = self.plan_at(max(1, sum(graph.storages[sid].nbytes for sid in kept)))  # the bytes it keeps at t
+            if tuple(p.plan.keep) == keep and p.key not in found:
+                self._peaks[p.key] = run.at(t)
+                found[p.key] = p
+        front = []  # keep-least first; then each plan keeps more and recomputes less
+        for p in sorted(found.values(), key=lambda p: (p.kept, p is not self.zero)):
+            if not front or p.cost < front[-1].cost:
+                front.append(p)
+        return front
 
 
 # -- the length of a call ------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_map
 
 from gradaccel.recompute.frames import Frame, OffloadFrame, TraceFrame
-from gradaccel.recompute.plan import capture_rng, copy_device, offload_cost_per_byte
+from gradaccel.recompute.plan import Planner, capture_rng, copy_device, offload_cost_per_byte
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.trace import DataReads, Graph
 from gradaccel.recompute.checkpoint import _Region, _plain
@@ -129,9 +129,14 @@ class Kind:
         """Plans from keeping least to keeping all, each cheaper to recompute than the last."""
         return _points(self)
 
+    @functools.cached_property
+    def planner(self) -> Planner:
+        """The block's graph in the C++ planner's terms, made once for all its plans."""
+        return Planner(self.graph)
+
     def plan_at(self, budget: int) -> Point:
         """The plan ``gradaccel.checkpoint`` makes at ``budget`` bytes (its own planning code)."""
-        plan = _Region("profile", self.graph, budget, []).plan
+        plan = _Region("profile", self.graph, budget, [], planner=self.planner).plan
         replay = sum(self.graph.storages[s].nbytes for i in plan.steps for s, _ in self.graph.ops[i].new_storages)
         return Point(budget, plan.kept_bytes, plan.cost, plan.recompute_flops, replay, plan)
 
@@ -374,6 +379,15 @@ class Profile:
             if self.trajectories:
                 kind.events[key] = (live.trace, forward_end)
         return kind._peaks[key][1]
+
+    def uncheckpointed(self, kind: Kind) -> Point:
+        """The point of a block of ``kind`` run without a checkpoint (KEEP_ALL): it recomputes
+        nothing, and keeps what autograd saves (keep-least's kept bytes, plus the difference of
+        the two runs' bytes held after forward)."""
+        zero = kind.zero
+        self.block_peak(kind, zero)
+        self.block_peak(kind, KEEP_ALL)
+        return Point(KEEP_ALL, zero.kept + kind._peaks[KEEP_ALL][2] - kind._peaks[zero.key][2], 0.0, 0, 0, KEEP_ALL)
 
     def block_forward_peak(self, kind: Kind, point) -> int:
         """As :meth:`block_peak`, the peak during the forward alone."""

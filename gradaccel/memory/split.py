@@ -20,7 +20,16 @@ is rebuilt, so the last block keeps more; a block that is rebuilt with a larger 
 
 import numpy as np
 
-__all__ = ["least_recompute", "least_peak"]
+__all__ = ["least_recompute", "least_peak", "uncheckpointed"]
+
+
+def uncheckpointed(prof, memory: int, layout: list | None = None) -> list | None:
+    """Every block run without a checkpoint (``Profile.uncheckpointed``), where the step's predicted
+    peak then fits ``memory``: nothing is recomputed, so no plan recomputes less, and no block's
+    frontier is needed (at a predicted length, making it is most of the planning). None where
+    it does not fit."""
+    points = [prof.uncheckpointed(prof.kind_of[s]) for s in prof.step_terms(layout)["layout"]]
+    return points if prof.predict(points, layout=layout)["peak"] <= memory else None
 
 
 def least_recompute(prof, options: list, memory: int, layout: list | None = None, units: int = 4096,

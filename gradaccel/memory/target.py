@@ -43,8 +43,8 @@ from torch.utils._pytree import tree_flatten
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
 from gradaccel.memory.parts import install_parts, set_parts
 from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
-from gradaccel.memory.profile import PARTS, TILES, Profile, find_blocks
-from gradaccel.memory.split import least_peak, least_recompute
+from gradaccel.memory.profile import KEEP_ALL, PARTS, TILES, Profile, find_blocks
+from gradaccel.memory.split import least_peak, least_recompute, uncheckpointed
 
 __all__ = ["MemoryTarget", "set_plans"]
 
@@ -107,6 +107,7 @@ class MemoryTarget:
         self.chosen = {}
         self.lengths = {}  # structure key -> LengthProfile (gradaccel/memory/lengths.py)
         self.first = {}  # structure key -> the first length it was called at
+        self.kinds_at = {}  # block kinds predicted at the length being planned (LengthProfile's shared)
         for b in blocks:
             install_parts(b)
         self.has_head = install_head(model)
@@ -115,7 +116,7 @@ class MemoryTarget:
         # A copy of the model plans for itself. Its profiles hold fake copies of the model: a
         # deep copy would copy every one of them (and the profiler copies the model each run).
         new = copy.copy(self)
-        new.seen, new.chosen, new.lengths, new.first = {}, {}, {}, {}
+        new.seen, new.chosen, new.lengths, new.first, new.kinds_at = {}, {}, {}, {}, {}
         return new
 
     def __call__(self, module, args, kwargs):
@@ -173,7 +174,7 @@ class MemoryTarget:
             if lengths is None:
                 return run(args, kwargs)
             try:
-                lp = LengthProfile(lambda t: run(*at_length((args, kwargs), length, t)), lengths)
+                lp = LengthProfile(lambda t: run(*at_length((args, kwargs), length, t)), lengths, self.kinds_at)
             except Exception as e:  # the model does not run at other lengths: per length, as before
                 lp = _Unprofiled(repr(e))
             self.lengths[structure] = lp
@@ -205,12 +206,15 @@ class MemoryTarget:
 
         def plan(head):
             prof = self._profile(module, args, kwargs, head, predict)
+            bare = uncheckpointed(prof, self.memory)
+            if bare is not None:
+                return prof, None, bare
             opts = [prof.options(prof.kind_of[i]) for i in range(len(prof.blocks))]
             return prof, opts, least_recompute(prof, opts, self.memory)
 
         tried = {False: plan(False)}
         plain, opts, points = tried[False]
-        floor = plain.predict([o[0] for o in opts])["peak"]
+        floor = plain.predict([plain.kind_of[i].zero for i in range(len(plain.blocks))])["peak"]
         labels = kwargs.get("labels")
         if self.has_head and torch.is_tensor(labels) and (points is None or plain.predict(points)["phase"] == "head"):
             tried[True] = plan(True)
@@ -256,6 +260,6 @@ def _setting(point, kind, *parts_plans):
     """What :meth:`MemoryTarget._set` sets a block to for ``point``."""
     if point.plan in parts_plans:
         return point.plan
-    if point.cost == 0 and point is kind.frontier[-1]:
+    if point.plan == KEEP_ALL or point.cost == 0 and point is kind.frontier[-1]:
         return None  # recomputes nothing: no checkpoint, and none of its cost
     return point.budget

@@ -243,3 +243,47 @@ def test_profile_does_not_depend_on_the_plan_the_model_runs():
     planned = make()
     assert [k.blocks for k in planned.kinds] == [k.blocks for k in plain.kinds] == [[0, 1]]
     assert _structure(planned.kinds[0].graph) == _structure(plain.kinds[0].graph)
+
+
+def test_length_profiles_of_one_model_share_the_kinds_they_predict():
+    """Two length profiles of one model's step (as memory='s step with the model's loss and with
+    the loss in chunks) share a dict: a kind predicted at a length by one is the other's, planned
+    once, and equals the kind a profile of its own predicts. Another model's kinds are its own."""
+    model = _llama(layers=2)
+
+    def make(t, m=model):
+        ids = torch.zeros(1, t, dtype=torch.long)
+        return Profile(m, _step, ((), {"input_ids": ids, "labels": ids, "use_cache": False}), grad_hooks=False,
+                       trajectories=True)
+
+    shared = {}
+    a, b = LengthProfile(make, profile_lengths(64), shared), LengthProfile(make, profile_lengths(64), shared)
+    alone = LengthProfile(make, profile_lengths(64))
+    deeper = _llama(layers=3)
+    other = LengthProfile(lambda t: make(t, deeper), profile_lengths(64), shared)
+    ka, kb, kc = a.at(41).kinds[0], b.at(41).kinds[0], alone.at(41).kinds[0]
+    assert ka is kb and ka is not kc
+    assert [(p.kept, p.cost, p.plan.keep) for p in ka.frontier] == [(p.kept, p.cost, p.plan.keep) for p in kc.frontier]
+    assert all(k is not ka for k in other.at(41).kinds)
+
+
+def test_memory_runs_blocks_uncheckpointed_where_that_fits_without_planning_them():
+    """Where the step fits with every block uncheckpointed, memory= chooses that (nothing is
+    recomputed, so no plan recomputes less) without making a predicted kind's frontier (a
+    planner call per candidate plan); where it does not fit, the split over the frontiers
+    decides, as before."""
+    gradaccel.reset_plans()
+    ref, model = _GPT(), _GPT()
+    ids = {t: torch.randint(0, 64, (1, t), generator=torch.Generator().manual_seed(t)) for t in (24, 101, 160)}
+    memory = int(0.97 * _train_peak(ref, ids[160]))
+    assert _train_peak(ref, ids[24]) <= memory
+    gradaccel.checkpoint_blocks(model, memory=memory, seq=160)
+    target = next(h for h in model._forward_pre_hooks.values() if isinstance(h, MemoryTarget))
+    model(ids[24])
+    assert target.seen[(((1, 24), torch.int64),)] == (False, [None, None])
+    (lp,) = target.lengths.values()
+    assert all("frontier" not in k.__dict__ for k in lp.at(24).kinds)  # never made at 24 tokens
+    model(ids[160])
+    head, settings = target.seen[(((1, 160), torch.int64),)]
+    assert any(s is not None for s in settings)  # 160 tokens need a checkpoint: planned over the frontiers
+    assert _train_peak(model, ids[160]) <= memory
