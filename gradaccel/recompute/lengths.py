@@ -46,6 +46,7 @@ from gradaccel.recompute.trace import Graph, Op, Pack, Recorder, Ref, Storage
 MAX_TEMPLATES = 4  # traces kept per structure (a structure that changes with the size has several)
 MAX_STRUCTURES = 16  # structures kept per callable; the least recently used goes first
 MAX_RETRACE = 64  # signatures of a structure waiting to be traced again
+MAX_SIZES = 4  # input sizes whose sized ops a structure's formulas keep (for the next layer's call)
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 _FAKE_PASS = []  # non-empty while a region's Python runs on symbolic fake tensors
 
@@ -461,6 +462,11 @@ class Formulas:
         self._layout = _compile(names, layout)
         self.template: Graph | None = None  # the traced graph these formulas resize (set once they match it)
         self._balance = None  # op -> bytes' price in FLOPs, under the "flops" cost model
+        # Input sizes -> (values, layout, sized ops, planner problems), for the last few sizes. The
+        # copies that other callables of the kind get (_shared) share it: the layers of a model,
+        # called one after another at a new length, size it once. Their traces matched these
+        # formulas op for op (arguments included), so an op sized for one is the other's.
+        self.at_sizes: dict = {}
 
     def _add(self, expr) -> int:
         k = self._index.get(expr)
@@ -495,8 +501,10 @@ class Formulas:
                 continue
             shape, stride = geometry[i]
             args.append(shape[d] if kind == "size" else stride[d])
+        args = tuple(args)
+        known = self.at_sizes.get(args)
         try:
-            values = self._fn(*args)
+            values = self._fn(*args) if known is None else known[0]
         except Exception:  # a formula undefined at these sizes (a division by a size of 0)
             return None
         for kind, i, d, n in self.checks:
@@ -557,26 +565,21 @@ class Formulas:
         t = self.template
         g = copy.copy(t)
         g.sized = True
-        storage_bytes, op_counts, views = self._layout(*args)
+        known = self.at_sizes.pop(args, None)
+        if known is None:
+            layout = self._layout(*args)
+            known = (values, layout, self._sized_ops(values, layout[1]), {})
+        self.at_sizes[args] = known  # most recent last
+        while len(self.at_sizes) > MAX_SIZES:
+            self.at_sizes.pop(next(iter(self.at_sizes)))
+        _, (storage_bytes, _, views), sized, g.problems = known
         g.storages = storages = list(t.storages)
         for k, nbytes in zip(self.sized_storages, storage_bytes):
             s = storages[k]
             storages[k] = Storage(nbytes, s.device, s.creator, s.external, s.versions)
         ops = list(t.ops)
-        flops_model = isinstance(t.cost, str) and t.cost == "flops"
-        if self._balance is None:
-            self._balance = {k: FLOPS_PER_BYTE["cpu" if self._device(k).type == "cpu" else "cuda"]
-                             for k in self.symbolic_ops}
-        for k, (flops, nbytes) in zip(self.symbolic_ops, op_counts):
-            op = ops[k]
-            sized = object.__new__(_SizedOp)
-            fields = sized.__dict__
-            fields.update(op.__dict__)
-            del fields["leaves"]
-            fields["flops"], fields["nbytes"], fields["resize"] = flops, nbytes, (self, k, values)
-            fields["cost"] = flops + self._balance[k] * nbytes if flops_model else \
-                price(t.cost, OpCost(str(op.func), flops, nbytes, self._device(k)), None)
-            ops[k] = sized
+        for k, op in zip(self.symbolic_ops, sized):
+            ops[k] = op
         g.ops = ops
         packs = []
         for p, (size, stride, offset) in zip(t.packs, views):  # Pack is frozen: filled as its __init__ would
@@ -587,6 +590,26 @@ class Formulas:
         g.packs = packs
         g.activation_bytes = sum(g.storages[s].nbytes for s in g.activations)
         return g
+
+    def _sized_ops(self, values, op_counts) -> list:
+        """The template's ops with formulas, at the sizes ``values`` (with their op_counts)."""
+        t = self.template
+        flops_model = isinstance(t.cost, str) and t.cost == "flops"
+        if self._balance is None:
+            self._balance = {k: FLOPS_PER_BYTE["cpu" if self._device(k).type == "cpu" else "cuda"]
+                             for k in self.symbolic_ops}
+        out = []
+        for k, (flops, nbytes) in zip(self.symbolic_ops, op_counts):
+            op = t.ops[k]
+            sized = object.__new__(_SizedOp)
+            fields = sized.__dict__
+            fields.update(op.__dict__)
+            del fields["leaves"]
+            fields["flops"], fields["nbytes"], fields["resize"] = flops, nbytes, (self, k, values)
+            fields["cost"] = flops + self._balance[k] * nbytes if flops_model else \
+                price(t.cost, OpCost(str(op.func), flops, nbytes, self._device(k)), None)
+            out.append(sized)
+        return out
 
     def _device(self, k: int) -> torch.device:
         """The device an op is priced on (as the recorder prices it: its first tensor's)."""

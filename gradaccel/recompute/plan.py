@@ -286,9 +286,18 @@ class Planner:
         # the caller drops must not be held for replay (y = x + f(x) frees f's output).
         region = set(self.region)
         self.available = [s.creator < 0 or (i in packed and i not in region) for i, s in enumerate(storages)]
-        final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
-        self.problem = _problem(graph, self.available, self.region, [storages[s].nbytes for s in self.region],
-                                [final[s] for s in self.region])
+        # A graph sized from formulas (gradaccel/recompute/lengths.py) carries the problems made for
+        # the other callables of its kind at its sizes (a model's layers): the same arrays, where
+        # the ops' prices and the storages' bytes agree.
+        problems = graph.problems
+        key = (tuple(op.cost for op in graph.ops), tuple(s.nbytes for s in storages)) if problems is not None else None
+        self.problem = problems.get(key) if problems is not None else None
+        if self.problem is None:
+            final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
+            self.problem = _problem(graph, self.available, self.region, [storages[s].nbytes for s in self.region],
+                                    [final[s] for s in self.region])
+            if problems is not None:
+                problems[key] = self.problem
         self.random = any(op.random and op.replayable for op in graph.ops)  # a replay may draw random numbers
 
     def plan(self, budget_bytes: int, offload_cost_per_byte: float | None = None, rng_bytes: int = 0) -> Plan:

@@ -160,6 +160,12 @@ def test_hf_model_over_lengths_traces_each_layer_once():
     for layer in model.model.layers:
         assert traces(layer) == [1]
     assert len(plan_rows()) == 2 * 4  # a plan per layer and length, none traced twice
+    # The layers, called one after another at a new length (20), size it once: the second
+    # layer's trace holds the first's sized ops, and its plan the first's planner problem.
+    first, second = (list(STATE.regions[layer].values())[-1].graph for layer in model.model.layers)
+    assert first.sized and second.sized and first.problems is second.problems and len(first.problems) == 1
+    shared = [k for k, (a, b) in enumerate(zip(first.ops, second.ops)) if a is b]
+    assert shared and all(isinstance(first.ops[k], _lengths._SizedOp) for k in shared)
 
 
 class _Branchy(nn.Module):
