@@ -51,6 +51,7 @@ __all__ = ["MemoryTarget", "set_plans"]
 SEEN = 1024  # input shapes whose plan memory= keeps; past it, the oldest goes
 PREDICT_LENGTHS = True  # False: profile each new input shape on fake tensors (before 2026-12; for bench/)
 _busy = threading.local()
+_EVERYTHING = 1 << 62  # a byte budget no region reaches
 
 
 # -- the target ---------------------------------------------------------------------------------
@@ -110,6 +111,8 @@ class MemoryTarget:
         self.kinds_at = {}  # block kinds predicted at the length being planned (LengthProfile's shared)
         for b in blocks:
             install_parts(b)
+            if seq is not None:  # lengths will vary: a block's region finds its size formulas when first traced
+                b._gradaccel_lengths = True
         self.has_head = install_head(model)
 
     def __deepcopy__(self, memo):
@@ -125,6 +128,7 @@ class MemoryTarget:
 
         key = _key(args, kwargs)
         blocks = find_blocks(module)
+        start = False
         if key not in self.seen:
             self._set(module, blocks, False, [0] * len(blocks))
             length, structure = length_of(tree_flatten((args, kwargs))[0])
@@ -132,11 +136,16 @@ class MemoryTarget:
             _busy.on = True
             try:
                 self.seen[key], self.chosen[key] = self._choose(module, args, kwargs)
-                if new and self.seq is not None and length < self.seq:
-                    # The longest length planned now, not mid-training: a loss in chunks it needs
-                    # (its own structure, profiled at four lengths) is profiled at this first call.
-                    a, kw = at_length((args, kwargs), length, self.seq)
-                    self.seen[_key(a, kw)], self.chosen[_key(a, kw)] = self._choose(module, a, kw)
+                start = new and self.seq is not None
+                if start:
+                    # The range up to seq is profiled at this first call, not mid-training: the
+                    # step with the loss in chunks too (its own structure, four lengths), which
+                    # some length may need, and the longest length is planned.
+                    if self.has_head and torch.is_tensor(kwargs.get("labels")):
+                        self._profile(module, args, kwargs, True)
+                    if length < self.seq:
+                        a, kw = at_length((args, kwargs), length, self.seq)
+                        self.seen[_key(a, kw)], self.chosen[_key(a, kw)] = self._choose(module, a, kw)
             finally:
                 _busy.on = False
                 torch.clear_autocast_cache()
@@ -144,6 +153,12 @@ class MemoryTarget:
                 while len(cache) > SEEN:
                     cache.pop(next(iter(cache)))
         head, settings = self.seen[key]
+        if start:
+            # A block that needs no checkpoint at this length runs this one call checkpointed
+            # (a byte budget, as memory= sets them, that keeps everything): its region is traced,
+            # with its size formulas, now, not at the first length that needs a checkpoint, in
+            # the middle of training.
+            settings = [_EVERYTHING if s is None else s for s in settings]
         # The loss computed outside the model (no labels): logits as they are.
         self._set(module, blocks, head and kwargs.get("labels") is not None, settings)
         return None
@@ -216,9 +231,13 @@ class MemoryTarget:
         plain, opts, points = tried[False]
         floor = plain.predict([plain.kind_of[i].zero for i in range(len(plain.blocks))])["peak"]
         labels = kwargs.get("labels")
-        if self.has_head and torch.is_tensor(labels) and (points is None or plain.predict(points)["phase"] == "head"):
+        chunkable = self.has_head and torch.is_tensor(labels)
+        head_cost = labels.numel() * head_flops(module) if chunkable else 0
+        # The loss in chunks costs head_cost more than the model's loss, whatever the blocks run:
+        # where the blocks fit with less recompute than that, it cannot be cheaper.
+        if chunkable and (points is None or plain.predict(points)["phase"] == "head"
+                          and sum(p.cost for p in points) > head_cost):
             tried[True] = plan(True)
-        head_cost = labels.numel() * head_flops(module) if True in tried else 0
         fitting = [(sum(p.cost for p in pts) + head_cost * h, h) for h, (_, _, pts) in tried.items() if pts is not None]
         if fitting:
             head = min(fitting)[1]

@@ -422,6 +422,8 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     if structure is not None and not graph.dynamic:
         structure.retrace.discard(key)
         structure.add(graph, flat)
+        if getattr(_owner(fn)[0], "_gradaccel_lengths", False):  # lengths will vary: formulas now
+            structure.prepare(fn, flat, tree_flatten((args, kwargs))[1])
         if structure.traces > _lengths.MAX_TEMPLATES * 4:
             _warn_once(("restructured", name),
                        f"gradaccel.checkpoint: {name} was traced {structure.traces} times for one structure (the "

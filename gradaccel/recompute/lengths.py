@@ -35,6 +35,7 @@ import threading
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_unflatten
 
@@ -122,13 +123,7 @@ class Structure:
         template holds at these sizes (the call is to be traced)."""
         for k, template in enumerate(self.templates):
             if template.formulas is None:
-                template.formulas = _shared(self.kind, template)
-                if template.formulas is None and self.passes < MAX_TEMPLATES:  # not one pass per length
-                    self.passes += 1
-                    template.formulas = analyse(template, fn, flat, spec)
-                template.formulas = template.formulas or False
-                if template.formulas and self.kind is not None:
-                    _share(self.kind, template.formulas)
+                self._find_formulas(template, fn, flat, spec)
             if template.formulas:
                 graph = template.formulas.graph_at(flat)
                 if graph is not None:
@@ -136,6 +131,27 @@ class Structure:
                     self.sized += 1
                     return graph
         return None
+
+
+    def prepare(self, fn, flat: list, spec) -> None:
+        """Finds the newest template's formulas now, at the call that traced it, rather than at
+        the first call of another size: for a region whose caller said its lengths will vary
+        (``checkpoint_blocks(..., seq=...)``), so that the symbolic pass is paid at the start of
+        training, not at some step in the middle of it."""
+        template = self.templates[0]
+        if template.formulas is None and not any(isinstance(x, FakeTensor) for x in flat):
+            self._find_formulas(template, fn, flat, spec)
+
+    def _find_formulas(self, template: Template, fn, flat: list, spec) -> None:
+        """Sets ``template.formulas``: another callable of the kind's that match it, else a
+        symbolic pass at the sizes of ``flat`` (False where none can be had)."""
+        template.formulas = _shared(self.kind, template)
+        if template.formulas is None and self.passes < MAX_TEMPLATES:  # not one pass per length
+            self.passes += 1
+            template.formulas = analyse(template, fn, flat, spec)
+        template.formulas = template.formulas or False
+        if template.formulas and self.kind is not None:
+            _share(self.kind, template.formulas)
 
 
 def structures_of(shapes: dict, key) -> Structure:

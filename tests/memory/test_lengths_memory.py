@@ -287,3 +287,30 @@ def test_memory_runs_blocks_uncheckpointed_where_that_fits_without_planning_them
     head, settings = target.seen[(((1, 160), torch.int64),)]
     assert any(s is not None for s in settings)  # 160 tokens need a checkpoint: planned over the frontiers
     assert _train_peak(model, ids[160]) <= memory
+
+
+@sized_matmul
+def test_memory_with_seq_traces_the_blocks_at_the_first_call():
+    """With seq, the first call traces each block's region and finds its size formulas, even at a
+    length that needs no checkpoint (that one call keeps everything): a length that needs one
+    later is sized, not traced and passed over symbolically in the middle of training."""
+    from gradaccel.recompute.state import STATE
+
+    gradaccel.reset_plans()
+    ref, model = _GPT(), _GPT()
+    ids = {t: torch.randint(0, 64, (1, t), generator=torch.Generator().manual_seed(t)) for t in (24, 101, 160)}
+    memory = int(0.97 * _train_peak(ref, ids[160]))
+    gradaccel.checkpoint_blocks(model, memory=memory, seq=160)
+    target = next(h for h in model._forward_pre_hooks.values() if isinstance(h, MemoryTarget))
+    structures = lambda: [s for b in model.blocks for s in STATE.shapes.get(b, {}).values()]  # noqa: E731
+    model(ids[24]).sum().backward()  # the first call (LiveBytes would count its fake tensors)
+    assert target.seen[(((1, 24), torch.int64),)] == (False, [None, None])  # no checkpoint needed at 24
+    assert [s.traces for s in structures()] == [1, 1] and all(s.templates[0].formulas for s in structures())
+    for t in (24, 160, 101):
+        peak = _train_peak(model, ids[t])
+        _train_peak(ref, ids[t])
+        assert peak <= memory, t
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert any(s is not None for s in target.seen[(((1, 160), torch.int64),)][1])
+    assert [s.traces for s in structures()] == [1, 1] and sum(s.sized for s in structures()) >= 2
