@@ -368,13 +368,22 @@ def _structure(owner, exact_key, cost):
     return structure
 
 
+def _remember(region) -> None:
+    """Adds ``region`` to STATE.in_order (plan_rows' order). Regions dropped from the caches
+    die; their references are swept out every MAX_PLANS additions, not at each one (a new
+    length adds one per layer, and the list holds up to MAX_PLANS per callable)."""
+    STATE.in_order.append(weakref.ref(region))
+    if len(STATE.in_order) % MAX_PLANS == 0:
+        STATE.in_order[:] = [r for r in STATE.in_order if r() is not None]
+
+
 def _run_sized(region, regions, key, fn, args, kwargs, flat):
     """A call at a new size of a known structure, planned from formulas (gradaccel/recompute/lengths.py)."""
     region.sized = True
     regions[key] = region
     while len(regions) > MAX_PLANS:  # plans per size are cheap to make again: drop the oldest
         _retire(regions.pop(next(iter(regions))))
-    STATE.in_order[:] = [r for r in STATE.in_order if r() is not None] + [weakref.ref(region)]
+    _remember(region)
     return _run_planned(region, regions, key, fn, args, kwargs, flat)
 
 
@@ -438,7 +447,7 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
                        f"gradaccel.checkpoint: {name} was traced for more than {MAX_PLANS} signatures, and each "
                        "new one runs as a full recompute: something it reads changes on every call (a new tensor "
                        "it closes over, a counter attribute, a NaN): pass such tensors as arguments.")
-    STATE.in_order[:] = [r for r in STATE.in_order if r() is not None] + [weakref.ref(region)]
+    _remember(region)
     return out
 
 

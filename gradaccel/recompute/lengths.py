@@ -478,7 +478,7 @@ class Formulas:
         self._layout = _compile(names, layout)
         self.template: Graph | None = None  # the traced graph these formulas resize (set once they match it)
         self._balance = None  # op -> bytes' price in FLOPs, under the "flops" cost model
-        # Input sizes -> (values, layout, sized ops, planner problems), for the last few sizes. The
+        # Input sizes -> (values, layout, sized ops, planner arrays), for the last few sizes. The
         # copies that other callables of the kind get (_shared) share it: the layers of a model,
         # called one after another at a new length, size it once. Their traces matched these
         # formulas op for op (arguments included), so an op sized for one is the other's.
@@ -584,11 +584,11 @@ class Formulas:
         known = self.at_sizes.pop(args, None)
         if known is None:
             layout = self._layout(*args)
-            known = (values, layout, self._sized_ops(values, layout[1]), {})
+            known = (values, layout, self._sized_ops(values, layout[1]), [])
         self.at_sizes[args] = known  # most recent last
         while len(self.at_sizes) > MAX_SIZES:
             self.at_sizes.pop(next(iter(self.at_sizes)))
-        _, (storage_bytes, _, views), sized, g.problems = known
+        _, (storage_bytes, _, views), sized, g.shared_problem = known
         g.storages = storages = list(t.storages)
         for k, nbytes in zip(self.sized_storages, storage_bytes):
             s = storages[k]

@@ -280,25 +280,26 @@ class Planner:
 
     def __init__(self, graph: Graph):
         storages = graph.storages
-        packed = {p.storage for p in graph.packs}
         self.graph, self.region = graph, graph.activations
+        # A graph sized from formulas (gradaccel/recompute/lengths.py) carries what the first of the
+        # callables of its kind planned at its sizes made (a model's layers): their traces matched
+        # the formulas op for op, and every op of such a trace is priced by formula, so the
+        # planner's arrays are the same.
+        shared = graph.shared_problem
+        if shared:
+            self.available, self.problem, self.random = shared
+            return
+        packed = {p.storage for p in graph.packs}
         # Outputs count as available only where autograd saves them too (and so holds them): one
         # the caller drops must not be held for replay (y = x + f(x) frees f's output).
         region = set(self.region)
         self.available = [s.creator < 0 or (i in packed and i not in region) for i, s in enumerate(storages)]
-        # A graph sized from formulas (gradaccel/recompute/lengths.py) carries the problems made for
-        # the other callables of its kind at its sizes (a model's layers): the same arrays, where
-        # the ops' prices and the storages' bytes agree.
-        problems = graph.problems
-        key = (tuple(op.cost for op in graph.ops), tuple(s.nbytes for s in storages)) if problems is not None else None
-        self.problem = problems.get(key) if problems is not None else None
-        if self.problem is None:
-            final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
-            self.problem = _problem(graph, self.available, self.region, [storages[s].nbytes for s in self.region],
-                                    [final[s] for s in self.region])
-            if problems is not None:
-                problems[key] = self.problem
+        final = {p.storage: storages[p.storage].versions[-1] for p in graph.packs}
+        self.problem = _problem(graph, self.available, self.region, [storages[s].nbytes for s in self.region],
+                                [final[s] for s in self.region])
         self.random = any(op.random and op.replayable for op in graph.ops)  # a replay may draw random numbers
+        if shared is not None:
+            shared[:] = (self.available, self.problem, self.random)
 
     def plan(self, budget_bytes: int, offload_cost_per_byte: float | None = None, rng_bytes: int = 0) -> Plan:
         """The plan under ``budget_bytes``: see :func:`make_plan`."""

@@ -163,7 +163,7 @@ def test_hf_model_over_lengths_traces_each_layer_once():
     # The layers, called one after another at a new length (20), size it once: the second
     # layer's trace holds the first's sized ops, and its plan the first's planner problem.
     first, second = (list(STATE.regions[layer].values())[-1].graph for layer in model.model.layers)
-    assert first.sized and second.sized and first.problems is second.problems and len(first.problems) == 1
+    assert first.sized and second.sized and first.shared_problem is second.shared_problem and first.shared_problem
     shared = [k for k, (a, b) in enumerate(zip(first.ops, second.ops)) if a is b]
     assert shared and all(isinstance(first.ops[k], _lengths._SizedOp) for k in shared)
 
@@ -224,7 +224,7 @@ def test_thousand_lengths_keep_state_flat():
                 counts.append(len(gc.get_objects()))
     assert traces(net) == [1]
     assert len(STATE.regions[net]) <= MAX_PLANS and len(STATE.shapes[net]) == 1
-    assert len(STATE.in_order) <= MAX_PLANS + 1 and len(STATE.kinds) == 1
+    assert len(STATE.in_order) < 2 * MAX_PLANS and len(STATE.kinds) == 1  # dead references swept out
     assert len(STATE.shapes[net][next(iter(STATE.shapes[net]))].templates) <= _lengths.MAX_TEMPLATES
     assert counts[1] - counts[0] < 500  # host objects flat: plans per length are dropped, not kept
 
