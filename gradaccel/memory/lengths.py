@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-from gradaccel.memory.profile import KEEP_ALL, PARTS, Kind, Point, Profile
+from gradaccel.memory.profile import KEEP_ALL, PARTS, Kind, Point, Profile, cheaper_front
 from gradaccel.recompute.trace import Storage
 
 __all__ = ["LengthProfile", "profile_lengths", "length_of", "at_length"]
@@ -116,13 +116,8 @@ class _Run:
 def plan_keeping(kind: Kind, keep: tuple):
     """The plan of ``kind``'s graph that keeps the saved tensors ``keep`` says (per pack),
     whatever the budget: a plan found at one length, made for another."""
-    from gradaccel.recompute.plan import _build
-
-    planner = kind.planner
-    graph = planner.graph
-    kept = {graph.packs[k].storage for k, f in enumerate(keep) if f} & set(planner.region)
-    cost, steps = planner.problem.replay([s in kept for s in planner.region])
-    return _build(graph, planner.region, planner.available, kept, set(), steps, cost, True, True, 0)
+    kept = {kind.graph.packs[k].storage for k, f in enumerate(keep) if f} & set(kind.graph.activations)
+    return kind.planner.keeping(kept)
 
 
 def _structure(graph) -> tuple:
@@ -403,11 +398,7 @@ class _KindAt(Kind):
             if tuple(p.plan.keep) == keep and p.key not in found:
                 self._peaks[p.key] = run.at(t)
                 found[p.key] = p
-        front = []  # keep-least first; then each plan keeps more and recomputes less
-        for p in sorted(found.values(), key=lambda p: (p.kept, p is not self.zero)):
-            if not front or p.cost < front[-1].cost:
-                front.append(p)
-        return front
+        return cheaper_front(sorted(found.values(), key=lambda p: (p.kept, p is not self.zero)))  # keep-least first
 
 
 # -- the length of a call ------------------------------------------------------------------------

@@ -169,8 +169,13 @@ def _points(kind: Kind, steps: int = 24, at=None) -> list:
             seen.add(p.kept)
             out.append(p)
     out.sort(key=lambda p: p.kept)
-    front = []  # drop points that keep more and cost no less
-    for p in out:
+    return cheaper_front(out)
+
+
+def cheaper_front(points: list) -> list:
+    """``points`` (plans sorted by the bytes they keep) less those that keep more and cost no less."""
+    front = []
+    for p in points:
         if not front or p.cost < front[-1].cost:
             front.append(p)
     return front

@@ -315,6 +315,12 @@ class Planner:
         with_offload.fallback = plan
         return with_offload
 
+    def keeping(self, kept: set) -> Plan:
+        """The plan that keeps the region's storages in ``kept`` and replays the others, whatever
+        the budget (a plan found at one length, made for another)."""
+        cost, steps = self.problem.replay([s in kept for s in self.region])
+        return _build(self.graph, self.region, self.available, kept, set(), steps, cost, True, True, 0)
+
 
 def make_plan(graph: Graph, budget_bytes: int, dropped: set | None = None,
               offload_cost_per_byte: float | None = None, rng_bytes: int = 0) -> Plan:
