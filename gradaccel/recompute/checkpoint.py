@@ -358,9 +358,10 @@ def _structure(owner, exact_key, cost):
     except TypeError:  # not weak-referenceable: traced every call anyway
         return None
     key = tuple(_lengths.without_sizes(p) for p in exact_key)
-    # A trace does not depend on the budget (the plan does): memory= and fit set a byte budget
-    # per length, and each must be sized from the same structure, not traced anew.
-    key = key[:3] + (None,) + key[4:]
+    # A trace does not depend on the budget or its type (the plan does): memory= and fit set a
+    # budget per block and length, in bytes or as a share, and each must be sized from the same
+    # structure (and the layers share their kind's formulas), not traced anew.
+    key = key[:2] + (None, None) + key[4:]
     structure = _lengths.structures_of(shapes, key)
     if structure.kind is None and isinstance(owner, torch.nn.Module):
         # Layers of one model share size formulas: the key with the module's kind for its state.

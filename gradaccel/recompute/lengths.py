@@ -165,13 +165,15 @@ def structures_of(shapes: dict, key) -> Structure:
 
 def module_kind(module: torch.nn.Module, plain) -> tuple:
     """Modules of one kind run the same code on the same settings: each submodule's class, its
-    plain attributes except layer indices (``layer_idx``), its parameters' and buffers' shapes,
-    dtypes and trainability. The layers of a model are one kind, so one symbolic pass serves all
-    of them (each layer's own trace must still match the formulas op for op)."""
+    plain attributes except layer indices (``layer_idx``) and gradaccel's own settings (the
+    budget memory= or fit gives each block), its parameters' and buffers' shapes, dtypes and
+    trainability. The layers of a model are one kind, so one symbolic pass serves all of them,
+    and a new length is sized once for all (each layer's own trace must still match the
+    formulas op for op)."""
     parts = []
     for name, sub in module.named_modules():
         attrs = tuple(sorted((k, v) for k, v in sub.__dict__.items()
-                             if plain(v) and not k.endswith(("idx", "index"))))
+                             if plain(v) and not k.endswith(("idx", "index")) and not k.startswith("_gradaccel_")))
         params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in sub._parameters.items() if p is not None)
         buffers = tuple((k, tuple(b.shape), b.dtype) for k, b in sub._buffers.items() if b is not None)
         parts.append((name, type(sub), attrs, params, buffers))

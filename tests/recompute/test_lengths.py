@@ -168,6 +168,31 @@ def test_hf_model_over_lengths_traces_each_layer_once():
     assert shared and all(isinstance(first.ops[k], _lengths._SizedOp) for k in shared)
 
 
+@sized_matmul
+def test_blocks_given_their_own_budgets_stay_one_kind():
+    """memory= and fit give each block its own budget (bytes, or a share): an input of the plan,
+    not of the trace, so the blocks stay one kind, and one symbolic pass serves both."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(seq_len=128, n_embd=64, n_head=4)
+    blocks = nn.Sequential(Block(cfg), Block(cfg))
+    ref = copy.deepcopy(blocks)
+
+    def run(budgets, t):
+        x = torch.randn(2, t, 64, generator=torch.Generator().manual_seed(t))
+        y, z = x.clone().requires_grad_(), x.clone().requires_grad_()
+        for block, budget in zip(blocks, budgets):
+            block._gradaccel_budget = budget  # as memory= sets it
+            y = gradaccel.checkpoint(block, y, budget=budget)
+        y.square().sum().backward(), ref(z).square().sum().backward()
+        assert_grads_match(ref, blocks)
+        ref.zero_grad(), blocks.zero_grad()
+
+    for t in (24, 9, 40):
+        run((30_000, 0.5), t)
+    structures = [s for block in blocks for s in STATE.shapes[block].values()]
+    assert [s.traces for s in structures] == [1, 1] and sum(s.passes for s in structures) == 1
+
+
 class _Branchy(nn.Module):
     """A block whose path depends on the length (a guard) and on an attribute the plan cache
     cannot see (a list): both are structure changes."""
