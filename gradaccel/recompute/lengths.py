@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_unflatten
 from gradaccel.recompute import split_off as _split
 from gradaccel.recompute.cost import FLOPS_PER_BYTE, OpCost, price
 from gradaccel.recompute.roles import Source
+from gradaccel.recompute.plan import Shared
 from gradaccel.recompute.trace import Graph, Op, Pack, Recorder, Ref, Storage
 
 MAX_TEMPLATES = 4  # traces kept per structure (a structure that changes with the size has several)
@@ -480,10 +481,10 @@ class Formulas:
         self._layout = _compile(names, layout)
         self.template: Graph | None = None  # the traced graph these formulas resize (set once they match it)
         self._balance = None  # op -> bytes' price in FLOPs, under the "flops" cost model
-        # Input sizes -> (values, layout, sized ops, planner arrays), for the last few sizes. The
-        # copies that other callables of the kind get (_shared) share it: the layers of a model,
-        # called one after another at a new length, size it once. Their traces matched these
-        # formulas op for op (arguments included), so an op sized for one is the other's.
+        # Input sizes -> _AtSize, for the last few sizes. The copies that other callables of the
+        # kind get (_shared) share it: the layers of a model, called one after another at a new
+        # length, size and plan it once. Their traces matched these formulas op for op
+        # (arguments included), so a trace sized for one is the other's but for its own tensors.
         self.at_sizes: dict = {}
 
     def _add(self, expr) -> int:
@@ -522,7 +523,7 @@ class Formulas:
         args = tuple(args)
         known = self.at_sizes.get(args)
         try:
-            values = self._fn(*args) if known is None else known[0]
+            values = self._fn(*args) if known is None else known.values
         except Exception:  # a formula undefined at these sizes (a division by a size of 0)
             return None
         for kind, i, d, n in self.checks:
@@ -581,33 +582,63 @@ class Formulas:
 
     def _build(self, values, args) -> Graph:
         t = self.template
-        g = copy.copy(t)
-        g.sized = True
-        known = self.at_sizes.pop(args, None)
-        if known is None:
-            layout = self._layout(*args)
-            known = (values, layout, self._sized_ops(values, layout[1]), [])
-        self.at_sizes[args] = known  # most recent last
+        at = self.at_sizes.pop(args, None)
+        if at is None:
+            at = self._at(values, args)
+        self.at_sizes[args] = at  # most recent last
         while len(self.at_sizes) > MAX_SIZES:
             self.at_sizes.pop(next(iter(self.at_sizes)))
-        _, (storage_bytes, _, views), sized, g.shared_problem = known
+        g = copy.copy(t)
+        g.sized = True
+        g.shared, g.ops, g.activation_bytes = at.shared, at.graph.ops, at.graph.activation_bytes
+        if at.graph.template is t:
+            g.storages, g.packs = at.graph.storages, at.graph.packs
+            return g
+        # Another callable of the kind (a later layer): its trace matched the formulas op for op,
+        # so the sized ops are the first's; its own are the storages it reads from outside (its
+        # parameters), and the saved arguments' autograd nodes where those differ.
+        g.storages = storages = list(at.graph.storages)
+        for k in self._objects():
+            s = t.storages[k]
+            storages[k] = s if s.nbytes == storages[k].nbytes else \
+                Storage(storages[k].nbytes, s.device, s.creator, s.external, s.versions)
+        kinds = self._pack_kinds()
+        g.packs = at.packs.get(kinds)
+        if g.packs is None:
+            g.packs = at.packs[kinds] = _packs(t.packs, at.views)
+        return g
+
+    def _at(self, values, args) -> "_AtSize":
+        """The template's trace at these sizes (to be shared with the other callables of its kind)."""
+        t = self.template
+        storage_bytes, op_counts, views = self._layout(*args)
+        g = copy.copy(t)
+        g.template = t
         g.storages = storages = list(t.storages)
         for k, nbytes in zip(self.sized_storages, storage_bytes):
             s = storages[k]
             storages[k] = Storage(nbytes, s.device, s.creator, s.external, s.versions)
-        ops = list(t.ops)
-        for k, op in zip(self.symbolic_ops, sized):
+        g.ops = ops = list(t.ops)
+        for k, op in zip(self.symbolic_ops, self._sized_ops(values, op_counts)):
             ops[k] = op
-        g.ops = ops
-        packs = []
-        for p, (size, stride, offset) in zip(t.packs, views):  # Pack is frozen: filled as its __init__ would
-            q = object.__new__(Pack)
-            q.__dict__.update(p.__dict__)
-            q.__dict__.update(size=size, stride=stride, offset=offset)
-            packs.append(q)
-        g.packs = packs
-        g.activation_bytes = sum(g.storages[s].nbytes for s in g.activations)
-        return g
+        g.packs = _packs(t.packs, views)
+        g.activation_bytes = sum(storages[s].nbytes for s in g.activations)
+        return _AtSize(values, views, g, {self._pack_kinds(): g.packs}, Shared())
+
+    def _objects(self) -> list:
+        """The template's storages read from outside its arguments (a layer's own parameters)."""
+        if self.__dict__.get("_objects_of") is not self.template:
+            self._objects_of = self.template
+            self._object_ids = [k for k, s in enumerate(self.template.storages)
+                                if s.external is not None and s.external.source is Source.OBJ]
+        return self._object_ids
+
+    def _pack_kinds(self) -> tuple:
+        """The autograd node kinds of the template's saved tensors (an argument's is its caller's)."""
+        if self.__dict__.get("_kinds_of") is not self.template:
+            self._kinds_of = self.template
+            self._kinds = tuple(p.grad_fn for p in self.template.packs)
+        return self._kinds
 
     def _sized_ops(self, values, op_counts) -> list:
         """The template's ops with formulas, at the sizes ``values`` (with their op_counts)."""
@@ -638,6 +669,33 @@ class Formulas:
         return [x if isinstance(n, tuple) and n and n[0] == "c" else
                 (Ref(x.storage, x.value, *_view_at(n, values), x.dtype, x.device, x.meta_only)
                  if isinstance(x, Ref) else _at(n, values)) for x, n in zip(self.template.ops[k].leaves, self.ops[k][0])]
+
+
+@dataclasses.dataclass
+class _AtSize:
+    """A structure's formulas at one input size: the values of every formula, the saved
+    tensors' views, the trace sized there by the first callable of the kind that asked
+    (``graph``, with ``graph.template`` its template), the sized saved tensors by their
+    autograd node kinds (a saved argument's is its caller's: the first layer's input comes from
+    the embedding, the others' from a layer), and what the planner made (shared by the kind's
+    other callables at these sizes)."""
+
+    values: tuple
+    views: tuple
+    graph: Graph
+    packs: dict
+    shared: Shared
+
+
+def _packs(packs: list, views) -> list:
+    """``packs`` with the (size, stride, offset) of ``views``."""
+    out = []
+    for p, (size, stride, offset) in zip(packs, views):  # Pack is frozen: filled as its __init__ would
+        q = object.__new__(Pack)
+        q.__dict__.update(p.__dict__)
+        q.__dict__.update(size=size, stride=stride, offset=offset)
+        out.append(q)
+    return out
 
 
 class _SizedOp(Op):

@@ -9,6 +9,7 @@ its casts are ops of their own) and the generator restored to its state at regio
 """
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -87,6 +88,17 @@ class Plan:
     @functools.cached_property
     def out_leaves(self) -> list[tuple[int, int]]:
         return [(sid, src.at) for sid, src in self.leaf_sources.items() if src.source is Source.OUT]
+
+    def twin(self, graph: Graph) -> "Plan":
+        """This plan for ``graph``: the same trace but for the tensors it reads from outside
+        its arguments (another layer of a model at the same sizes; see :class:`Shared`). The
+        choice, the replay program and how replay finds its arguments are this plan's."""
+        sources = self.leaf_sources  # worked out here first, so that every twin shares the rest
+        twin = copy.copy(self)  # with what this plan worked out so far (reads, leaves by source)
+        twin.graph = graph
+        twin.__dict__["leaf_sources"] = {s: graph.storages[s].external if src.source is Source.OBJ else src
+                                         for s, src in sources.items()}
+        return twin
 
     @property
     def needs_rng(self) -> bool:
@@ -273,6 +285,19 @@ def rebuildable(graph: Graph, sid: int) -> bool:
     return problem.replay([False])[0] != math.inf
 
 
+class Shared:
+    """What the first of the callables of a kind planned at one size, for the others: a model's
+    layers, called one after another at a new length, have the same sized trace but for their
+    own tensors read from outside (gradaccel/recompute/lengths.py), so one planner problem and
+    one plan per budget serve them all."""
+
+    MAX_PLANS = 8  # budgets whose plans are kept (budget=0.5 asks one; memory= one per block setting)
+
+    def __init__(self):
+        self.arrays = None  # (available, problem, random): see Planner
+        self.plans: dict = {}  # (budget bytes, copy cost per byte, rng bytes) -> Plan, without offload
+
+
 class Planner:
     """A finished graph in the C++ planner's terms (gradaccel/ops/csrc/planner.cpp), made once:
     plans it at any number of budgets. The memory planner asks for dozens of plans of one graph
@@ -281,13 +306,12 @@ class Planner:
     def __init__(self, graph: Graph):
         storages = graph.storages
         self.graph, self.region = graph, graph.activations
-        # A graph sized from formulas (gradaccel/recompute/lengths.py) carries what the first of the
-        # callables of its kind planned at its sizes made (a model's layers): their traces matched
-        # the formulas op for op, and every op of such a trace is priced by formula, so the
-        # planner's arrays are the same.
-        shared = graph.shared_problem
-        if shared:
-            self.available, self.problem, self.random = shared
+        # A graph sized from formulas carries its size's Shared (its kind's planner arrays and
+        # plans). Their traces matched the formulas op for op, and every op of such a trace is
+        # priced by formula, so the planner's arrays are the same.
+        self.shared = graph.shared
+        if self.shared is not None and self.shared.arrays is not None:
+            self.available, self.problem, self.random = self.shared.arrays
             return
         packed = {p.storage for p in graph.packs}
         # Outputs count as available only where autograd saves them too (and so holds them): one
@@ -298,11 +322,15 @@ class Planner:
         self.problem = _problem(graph, self.available, self.region, [storages[s].nbytes for s in self.region],
                                 [final[s] for s in self.region])
         self.random = any(op.random and op.replayable for op in graph.ops)  # a replay may draw random numbers
-        if shared is not None:
-            shared[:] = (self.available, self.problem, self.random)
+        if self.shared is not None:
+            self.shared.arrays = (self.available, self.problem, self.random)
 
     def plan(self, budget_bytes: int, offload_cost_per_byte: float | None = None, rng_bytes: int = 0) -> Plan:
         """The plan under ``budget_bytes``: see :func:`make_plan`."""
+        key = (budget_bytes, offload_cost_per_byte, rng_bytes)
+        shared = self.shared.plans if self.shared is not None else {}
+        if key in shared:
+            return shared[key].twin(self.graph)
         graph, region, available = self.graph, self.region, self.available
         r = self.problem.plan(budget_bytes, rng_bytes=rng_bytes, copy_cost_per_byte=offload_cost_per_byte)
         kept = {s for s, k in zip(region, r.kept) if k}
@@ -310,6 +338,10 @@ class Planner:
         plan = _build(graph, region, available, kept, set(), r.fallback_steps, r.fallback_cost, r.exact, r.fits,
                       r.budget)
         if not offloaded:
+            if self.shared is not None:
+                shared[key] = plan
+                while len(shared) > Shared.MAX_PLANS:
+                    shared.pop(next(iter(shared)))
             return plan
         with_offload = _build(graph, region, available, kept, offloaded, r.steps, r.cost, r.exact, r.fits, r.budget)
         with_offload.fallback = plan

@@ -122,7 +122,7 @@ class Graph:
 
     RNG = 0  # storage id of the pseudo-storage random ops read and write (the generator state)
     sized = False  # True for a trace resized from formulas (gradaccel/recompute/lengths.py), not recorded
-    shared_problem = None  # a sized trace's: what its kind's planner made at its sizes (recompute/plan.py Planner)
+    shared = None  # a sized trace's: what its kind's planner made at its sizes (recompute/plan.py Shared)
 
     def __init__(self, flat_args: list, preserve_rng_state: bool, cost="flops"):
         self.cost = cost  # the cost model ops are priced with (see gradaccel.checkpoint)

@@ -16,6 +16,7 @@ import gradaccel
 from _models import Block, GPTConfig, assert_grads_match, sized_matmul
 from gradaccel.recompute import lengths as _lengths
 from gradaccel.recompute.state import STATE
+from gradaccel.recompute.roles import Source
 from gradaccel.recompute.checkpoint import MAX_PLANS, plan_rows, reset_plans
 from gradaccel.memory.counter import held_activation_bytes
 
@@ -160,18 +161,27 @@ def test_hf_model_over_lengths_traces_each_layer_once():
     for layer in model.model.layers:
         assert traces(layer) == [1]
     assert len(plan_rows()) == 2 * 4  # a plan per layer and length, none traced twice
-    # The layers, called one after another at a new length (20), size it once: the second
-    # layer's trace holds the first's sized ops, and its plan the first's planner problem.
-    first, second = (list(STATE.regions[layer].values())[-1].graph for layer in model.model.layers)
-    assert first.sized and second.sized and first.shared_problem is second.shared_problem and first.shared_problem
-    shared = [k for k, (a, b) in enumerate(zip(first.ops, second.ops)) if a is b]
-    assert shared and all(isinstance(first.ops[k], _lengths._SizedOp) for k in shared)
+    # The layers, called one after another at a new length (20), size and plan it once: the
+    # second layer's trace holds the first's sized ops, and its plan is the first's choice and
+    # replay program, reading the second layer's own parameters.
+    regions = [list(STATE.regions[layer].values())[-1] for layer in model.model.layers]
+    first, second = (r.graph for r in regions)
+    assert first.sized and second.sized and first.shared is second.shared and first.shared.arrays
+    assert first.ops is second.ops and any(isinstance(op, _lengths._SizedOp) for op in first.ops)
+    a, b = regions[0].plan, regions[1].plan
+    assert a.steps is b.steps and a.reads is b.reads and a.steps
+    params = [{id(p) for p in layer.parameters()} for layer in model.model.layers]
+    objs = [[id(src.at()) for src in p.leaf_sources.values() if src.source is Source.OBJ] for p in (a, b)]
+    assert objs[0] and len(objs[0]) == len(objs[1])
+    assert set(objs[0]) <= params[0] and set(objs[1]) <= params[1]
 
 
 @sized_matmul
-def test_blocks_given_their_own_budgets_stay_one_kind():
+def test_blocks_given_their_own_budgets_are_sized_and_planned_once_per_length():
     """memory= and fit give each block its own budget (bytes, or a share): an input of the plan,
-    not of the trace, so the blocks stay one kind, and one symbolic pass serves both."""
+    not of the trace, so the blocks stay one kind. One symbolic pass serves both, and at a new
+    length the second is sized from the first's trace; at an equal budget it gets the first's
+    plan, reading its own weights."""
     torch.manual_seed(0)
     cfg = GPTConfig(seq_len=128, n_embd=64, n_head=4)
     blocks = nn.Sequential(Block(cfg), Block(cfg))
@@ -191,6 +201,14 @@ def test_blocks_given_their_own_budgets_stay_one_kind():
         run((30_000, 0.5), t)
     structures = [s for block in blocks for s in STATE.shapes[block].values()]
     assert [s.traces for s in structures] == [1, 1] and sum(s.passes for s in structures) == 1
+    run((0.5, 0.5), 33)
+    first, second = (list(STATE.regions[block].values())[-1] for block in blocks)
+    assert first.graph.sized and second.graph.sized and first.graph.ops is second.graph.ops
+    assert first.plan.steps is second.plan.steps and first.plan.steps
+    weights = [{id(p) for p in block.parameters()} for block in blocks]
+    for plan, own in zip((first.plan, second.plan), weights):
+        read = {id(src.at()) for src in plan.leaf_sources.values() if src.source is Source.OBJ}
+        assert read and read <= own
 
 
 class _Branchy(nn.Module):
