@@ -87,12 +87,16 @@ class _Region:
         self.store = store
         self.graph = graph
         self.budget = budget
-        self.signature = ", ".join(
-            f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in flat_args if isinstance(t, torch.Tensor))
+        self._tensors = [(t.shape, t.dtype) for t in flat_args if isinstance(t, torch.Tensor)]
         self.calls = 1
         self.plan: Plan | None = None
         if not graph.dynamic:
             self.plan = self._plan(planner or Planner(graph))
+
+    @property
+    def signature(self) -> str:
+        """The tensor arguments' shapes and dtypes, for reports (plan_rows)."""
+        return ", ".join(f"{tuple(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in self._tensors)
 
     @property
     def budget_bytes(self) -> int:

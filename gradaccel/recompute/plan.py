@@ -261,9 +261,16 @@ def _flops_copy_cost(device: torch.device, d2h: float, h2d: float) -> float:
 
 
 def rng_state_bytes(graph: Graph) -> int:
-    """Bytes of the generator states a call saves for a replay of random ops."""
-    cpu, cuda = capture_rng(graph.devices)
-    return cpu.numel() + sum(s.numel() for _, s in cuda)
+    """Bytes of the generator states a call saves for a replay of random ops (their size is
+    fixed per device: read once per set of devices)."""
+    found = _RNG_BYTES.get(graph.devices)
+    if found is None:
+        cpu, cuda = capture_rng(graph.devices)
+        found = _RNG_BYTES[graph.devices] = cpu.numel() + sum(s.numel() for _, s in cuda)
+    return found
+
+
+_RNG_BYTES: dict = {}  # frozenset of devices -> bytes of their generator states
 
 
 def _problem(graph: Graph, available: list, candidates: list, nbytes: list, values: list):
