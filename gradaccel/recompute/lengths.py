@@ -597,12 +597,12 @@ class Formulas:
         # Another callable of the kind (a later layer): its trace matched the formulas op for op,
         # so the sized ops are the first's; its own are the storages it reads from outside (its
         # parameters), and the saved arguments' autograd nodes where those differ.
+        objects, kinds = self._own()
         g.storages = storages = list(at.graph.storages)
-        for k in self._objects():
+        for k in objects:
             s = t.storages[k]
             storages[k] = s if s.nbytes == storages[k].nbytes else \
                 Storage(storages[k].nbytes, s.device, s.creator, s.external, s.versions)
-        kinds = self._pack_kinds()
         g.packs = at.packs.get(kinds)
         if g.packs is None:
             g.packs = at.packs[kinds] = _packs(t.packs, at.views)
@@ -623,22 +623,19 @@ class Formulas:
             ops[k] = op
         g.packs = _packs(t.packs, views)
         g.activation_bytes = sum(storages[s].nbytes for s in g.activations)
-        return _AtSize(values, views, g, {self._pack_kinds(): g.packs}, Shared())
+        return _AtSize(values, views, g, {self._own()[1]: g.packs}, Shared())
 
-    def _objects(self) -> list:
-        """The template's storages read from outside its arguments (a layer's own parameters)."""
-        if self.__dict__.get("_objects_of") is not self.template:
-            self._objects_of = self.template
-            self._object_ids = [k for k, s in enumerate(self.template.storages)
-                                if s.external is not None and s.external.source is Source.OBJ]
-        return self._object_ids
-
-    def _pack_kinds(self) -> tuple:
-        """The autograd node kinds of the template's saved tensors (an argument's is its caller's)."""
-        if self.__dict__.get("_kinds_of") is not self.template:
-            self._kinds_of = self.template
-            self._kinds = tuple(p.grad_fn for p in self.template.packs)
-        return self._kinds
+    def _own(self) -> tuple:
+        """What of the template is its own among the callables of its kind: the storages it
+        reads from outside its arguments (a layer's parameters), and its saved tensors'
+        autograd node kinds (a saved argument's is its caller's). Worked out once per template
+        (the copies _shared makes carry the original's, for another template)."""
+        if self.__dict__.get("_own_of") is not self.template:
+            t = self.template
+            self._own_of = t
+            self._own_parts = ([k for k, s in enumerate(t.storages) if s.external is not None
+                                and s.external.source is Source.OBJ], tuple(p.grad_fn for p in t.packs))
+        return self._own_parts
 
     def _sized_ops(self, values, op_counts) -> list:
         """The template's ops with formulas, at the sizes ``values`` (with their op_counts)."""

@@ -335,8 +335,8 @@ class Planner:
     def plan(self, budget_bytes: int, offload_cost_per_byte: float | None = None, rng_bytes: int = 0) -> Plan:
         """The plan under ``budget_bytes``: see :func:`make_plan`."""
         key = (budget_bytes, offload_cost_per_byte, rng_bytes)
-        shared = self.shared.plans if self.shared is not None else {}
-        if key in shared:
+        shared = self.shared.plans if self.shared is not None else None
+        if shared is not None and key in shared:
             return shared[key].twin(self.graph)
         graph, region, available = self.graph, self.region, self.available
         r = self.problem.plan(budget_bytes, rng_bytes=rng_bytes, copy_cost_per_byte=offload_cost_per_byte)
@@ -345,7 +345,7 @@ class Planner:
         plan = _build(graph, region, available, kept, set(), r.fallback_steps, r.fallback_cost, r.exact, r.fits,
                       r.budget)
         if not offloaded:
-            if self.shared is not None:
+            if shared is not None:
                 shared[key] = plan
                 while len(shared) > Shared.MAX_PLANS:
                     shared.pop(next(iter(shared)))
