@@ -36,6 +36,11 @@ def traces(owner) -> list:
     return [s.traces for s in STATE.shapes.get(owner, {}).values()]
 
 
+def outside_reads(plan) -> set:
+    """ids of the tensors ``plan``'s replay reads from outside its region's arguments."""
+    return {id(src.at()) for src in plan.leaf_sources.values() if src.source is Source.OBJ}
+
+
 def step(fn, module, inputs, seed):
     """One step: (output, gradients of parameters then inputs, activation bytes its forward
     leaves alive, FLOPs of its backward)."""
@@ -171,9 +176,9 @@ def test_hf_model_over_lengths_traces_each_layer_once():
     a, b = regions[0].plan, regions[1].plan
     assert a.steps is b.steps and a.reads is b.reads and a.steps
     params = [{id(p) for p in layer.parameters()} for layer in model.model.layers]
-    objs = [[id(src.at()) for src in p.leaf_sources.values() if src.source is Source.OBJ] for p in (a, b)]
+    objs = [outside_reads(p) for p in (a, b)]
     assert objs[0] and len(objs[0]) == len(objs[1])
-    assert set(objs[0]) <= params[0] and set(objs[1]) <= params[1]
+    assert objs[0] <= params[0] and objs[1] <= params[1]
 
 
 @sized_matmul
@@ -207,7 +212,7 @@ def test_blocks_given_their_own_budgets_are_sized_and_planned_once_per_length():
     assert first.plan.steps is second.plan.steps and first.plan.steps
     weights = [{id(p) for p in block.parameters()} for block in blocks]
     for plan, own in zip((first.plan, second.plan), weights):
-        read = {id(src.at()) for src in plan.leaf_sources.values() if src.source is Source.OBJ}
+        read = outside_reads(plan)
         assert read and read <= own
 
 
