@@ -90,6 +90,7 @@ class _Region:
         self._tensors = [(t.shape, t.dtype) for t in flat_args if isinstance(t, torch.Tensor)]
         self.calls = 1
         self.plan: Plan | None = None
+        self.structure = None  # its signature without sizes (gradaccel/recompute/lengths.py), where plans are sized
         if not graph.dynamic:
             self.plan = self._plan(planner or Planner(graph))
 
@@ -335,6 +336,8 @@ def _checkpoint(function, args, kwargs, budget, preserve_rng_state=True, use_ree
     if region is not None:
         regions[key] = region  # most recently used last: the cache drops from the front
         region.calls += 1
+        if region.structure is not None:
+            region.structure.planned += 1
         if region.plan is None:
             return _run_dynamic(region, fn, args, kwargs, preserve_rng_state)
         if region.plan.externals_alive():
@@ -434,17 +437,19 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
                    "be replayed. Move that op out of the checkpointed region to get a selective plan.")
     regions[key] = region
     if structure is not None and not graph.dynamic:
+        region.structure = structure
         structure.retrace.discard(key)
         structure.add(graph, flat)
         if getattr(_owner(fn)[0], "_gradaccel_lengths", False):  # lengths will vary: formulas now
             structure.prepare(fn, flat, tree_flatten((args, kwargs))[1])
-        if structure.traces > _lengths.MAX_TEMPLATES * 4:
+        if structure.traces > _lengths.MAX_TEMPLATES:
+            why = structure.why or ("the region's path depends on its input sizes in a way its size formulas "
+                                    "cannot follow (a branch on the length, a number computed from a size and "
+                                    "passed as a float)")
             _warn_once(("restructured", name),
                        f"gradaccel.checkpoint: {name} was traced {structure.traces} times for one structure (the "
-                       "same ops at other sizes), and each trace runs as a full recompute: the region's path "
-                       "depends on its input sizes in a way its size formulas cannot follow (a branch on the "
-                       "length, a number computed from a size and passed as a float, an op with no symbolic "
-                       "shape support). Pad to a few lengths, or move that code out of the region.")
+                       f"same ops at other sizes), and each trace runs as a full recompute. Its plans are not sized "
+                       f"from formulas because {why}. Pad to a few lengths, or move that code out of the region.")
     if len(regions) > MAX_PLANS:  # a key that moves every call must not grow the cache without end
         _retire(regions.pop(next(iter(regions))))
         if sum(not getattr(r, "sized", False) for r in regions.values()) >= MAX_PLANS:
@@ -545,7 +550,10 @@ def _run_segment(x, *functions):
 
 # -- reporting ---------------------------------------------------------------------------------
 def plan_rows() -> list[dict]:
-    """One dict per live traced region: name, signature, calls, bytes held against the budget,
+    """One dict per live traced region: name, signature, calls, ``made`` (``"traced"``, or
+    ``"sized"``: planned from size formulas, with no trace), ``lengths`` (the calls of its
+    signature without sizes: how many were ``traced``, ``sized`` and ``planned`` (ran a plan
+    already made), and ``not_sized``: why new sizes are traced, "" where they are sized), bytes held against the budget,
     ops kept, replayed and offloaded (``kept_where``/``replayed_where``: the same with the
     submodule that ran each, as ``"mm (mlp.fc1)"``), estimated recompute FLOPs, ``recompute_cost``
     (what the planner minimises, in its cost model's units: see ``cost``), whether the plan is exact, and
@@ -558,7 +566,11 @@ def plan_rows() -> list[dict]:
             continue
         plan, graph = region.plan, region.graph
         row = {"region": region.name, "signature": region.signature, "calls": region.calls,
-               "budget": region.budget, "total_bytes": graph.activation_bytes}
+               "budget": region.budget, "total_bytes": graph.activation_bytes,
+               "made": "sized" if getattr(region, "sized", False) else "traced"}
+        s = region.structure
+        if s is not None:  # every call of its structure (all its lengths), and why new ones are traced
+            row["lengths"] = {"traced": s.traces, "sized": s.sized, "planned": s.planned, "not_sized": s.why}
         if plan is None:
             row.update(mode=f"torch.utils.checkpoint ({_describe(graph.dynamic_reason)})",
                        fallback_reason=graph.dynamic_reason)
@@ -616,6 +628,24 @@ def plan_report() -> str:
             lines.append(f"    offloaded ({r['offloaded_bytes'] * mib:.2f} MiB to host): {', '.join(r['offloaded_ops'])}")
         if r["priced_ops"]:
             lines.append("    costs:    " + ", ".join(f"{k} ({v})" for k, v in r["priced_ops"].items()))
+    lines += _lengths_report()
     lines.append(f"{'total (' + str(total['n']) + ' regions)':<28} {total['kept'] * mib:>9.2f} {total['budget'] * mib:>10.2f} "
                  f"{total['none'] * mib:>11.2f} {'':>8} {total['flops'] / 1e9:>15.4f}")
     return "\n".join(lines)
+
+
+def _lengths_report() -> list[str]:
+    """Per callable, its calls over every length: traced, sized from formulas, planned."""
+    found = {}
+    for ref in STATE.in_order:
+        region = ref()
+        if region is not None and not getattr(region, "retired", False) and region.structure is not None:
+            found.setdefault(region.name, {})[id(region.structure)] = region.structure
+    lines = ["calls over all lengths: traced (a full recompute each), sized (planned from size formulas, no "
+             "trace), planned (a plan made before)"] if found else []
+    for name, structures in found.items():
+        s = list(structures.values())
+        why = next((x.why for x in s if x.why), "")
+        lines.append(f"{name[:28]:<28} traced {sum(x.traces for x in s)}, sized {sum(x.sized for x in s)}, "
+                     f"planned {sum(x.planned for x in s)}" + (f"; new sizes traced: {why}" if why else ""))
+    return lines

@@ -37,13 +37,13 @@ import warnings
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradaccel.recompute import split_off as _split
 from gradaccel.recompute.cost import FLOPS_PER_BYTE, OpCost, price
 from gradaccel.recompute.roles import Source
 from gradaccel.recompute.plan import Shared
-from gradaccel.recompute.trace import Graph, Op, Pack, Recorder, Ref, Storage
+from gradaccel.recompute.trace import Graph, Op, Pack, Recorder, Ref, Storage, is_foreign
 
 MAX_TEMPLATES = 4  # traces kept per structure (a structure that changes with the size has several)
 MAX_STRUCTURES = 16  # structures kept per callable; the least recently used goes first
@@ -93,6 +93,7 @@ class Template:
     graph: Graph
     geometry: dict  # flat index -> (shape, stride) of each tensor argument, or value of each size int, when traced
     formulas: object = None
+    why: str = ""  # where formulas is False: why they could not be had (for warnings and plan_rows)
 
 
 class Structure:
@@ -102,9 +103,11 @@ class Structure:
         self.templates: list[Template] = []
         self.traces = 0  # calls traced for this structure
         self.sized = 0  # calls planned from formulas, with no trace
+        self.planned = 0  # calls that ran a plan made at an earlier call of the same signature
         self.retrace: set = set()  # exact signatures to trace on their next call (a sized call strayed)
         self.kind = None  # what callables of the same code and settings share (see module_kind)
         self.passes = 0  # symbolic passes run for it (each costs about a forward's Python, on fake tensors)
+        self.why = ""  # why its last symbolic pass gave no formulas (new sizes are then traced)
 
     def add(self, graph: Graph, flat: list) -> None:
         self.traces += 1
@@ -151,8 +154,12 @@ class Structure:
             self.passes += 1
             template.formulas = analyse(template, fn, flat, spec)
         template.formulas = template.formulas or False
-        if template.formulas and self.kind is not None:
-            _share(self.kind, template.formulas)
+        if template.formulas:
+            self.why = ""
+            if self.kind is not None:
+                _share(self.kind, template.formulas)
+        elif template.why:
+            self.why = template.why
 
 
 def structures_of(shapes: dict, key) -> Structure:
@@ -226,7 +233,45 @@ class _SymbolicGraph(Graph):
 class _SymbolicRecorder(Recorder):
     """The tracer, minus what only symbolic sizes dispatch: the ``prim`` ops that fake tensors
     run for metadata, and full slices (``x[:, :, None]``), which indexing skips on real tensors
-    but cannot prove full on symbolic ones. Each is a no-op for replay."""
+    but cannot prove full on symbolic ones. Each is a no-op for replay.
+
+    An op from outside aten takes from the template (``like``, the traced graph) what its fake
+    kernel cannot know: its outputs' dtypes (a kernel whose own aten ops autocast casts returns
+    another dtype than its fake says) and, where it has no FLOP formula, its price, scaled from
+    the traced call's by the elements of its largest input."""
+
+    def __init__(self, graph: Graph, like: Graph):
+        super().__init__(graph)
+        self.like = like
+
+    def _twin(self, func, k: int) -> Op | None:
+        """The template's op at position ``k``, if it is the same op."""
+        op = self.like.ops[k] if k < len(self.like.ops) else None
+        return op if op is not None and op.func is func else None
+
+    def foreign_result(self, func, out):
+        twin = self._twin(func, len(self.graph.ops))  # the position the op is about to take
+        if twin is None or not twin.out_dtypes:
+            return out
+        leaves, spec = tree_flatten(out)
+        tensors = iter(twin.out_dtypes)
+        leaves = [_retyped(x, next(tensors, x.dtype)) if isinstance(x, torch.Tensor) else x for x in leaves]
+        return tree_unflatten(leaves, spec)
+
+    def _price_foreign(self, func) -> None:
+        """The op just recorded, priced as the template's op scaled by its largest input."""
+        twin, op = self._twin(func, len(self.graph.ops) - 1), self.graph.ops[-1]
+        if twin is None or twin.priced == "formula" or op.priced == "formula":
+            return
+        refs = [(i, x) for i, x in enumerate(twin.leaves) if isinstance(x, Ref)]
+        if not refs:
+            return
+        i, largest = max(refs, key=lambda r: math.prod(r[1].size))
+        now = math.prod(op.leaves[i].size) if isinstance(op.leaves[i], Ref) else None
+        if now is None or not math.prod(largest.size):
+            return
+        op.flops = twin.flops * now // math.prod(largest.size)  # no max(): it would guard on the size
+        op.priced = f"{twin.priced}, scaled"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._to_copy.default and torch.is_autocast_cache_enabled() and _cacheable(args[0]):
@@ -242,7 +287,18 @@ class _SymbolicRecorder(Recorder):
                 return out
             self.graph.record(func, args, kwargs or {}, out)
             return out
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        n = len(self.graph.ops)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if is_foreign(func) and len(self.graph.ops) > n and not self.paused:
+            self._price_foreign(func)
+        return out
+
+
+def _retyped(t: torch.Tensor, dtype) -> torch.Tensor:
+    """``t`` (a fake tensor) as ``dtype``, same geometry: what the real kernel returned."""
+    if t.dtype == dtype:
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
 
 
 def _cacheable(t) -> bool:
@@ -369,7 +425,7 @@ def _symbolic_pass(template: Template, fn, flat: list, spec):
         return t
 
     args, kwargs = tree_unflatten(fake, spec)
-    with mode, saved_tensors_hooks(pack, lambda t: t), _SymbolicRecorder(graph):
+    with mode, saved_tensors_hooks(pack, lambda t: t), _SymbolicRecorder(graph, template.graph):
         out = fn(*args, **kwargs)
     graph.finish(out)
     return graph, env, sources, checks
@@ -391,26 +447,44 @@ def sizes_matmul() -> bool:
 
 def analyse(template: Template, fn, flat: list, spec):
     """The :class:`Formulas` of ``template`` from a symbolic pass at the sizes of ``flat``, or
-    None where the region cannot be sized by formulas (see the module docstring)."""
+    None where the region cannot be sized by formulas (see the module docstring); then
+    ``template.why`` says why."""
     graph = template.graph
-    if graph.dynamic or not isinstance(graph.cost, str) and not callable(graph.cost) or graph.cost == "measured" \
-            or any(op.priced != "formula" for op in graph.ops):
+    if graph.dynamic or not isinstance(graph.cost, str) and not callable(graph.cost) or graph.cost == "measured":
+        template.why = "its costs are measured per call (cost='measured')"
         return None
     if any(isinstance(x, torch.Tensor) and x.storage_offset() != 0 for x in flat):
+        template.why = "an argument is a view at a non-zero offset"
         return None
     state = _attributes(fn)
     try:
         sym_graph, env, sources, checks = _symbolic_trace(template, fn, flat, spec)
         sym_graph.take_externals()  # the fake parameters: nothing needs them past the pass
         formulas = Formulas(sym_graph, env, sources, checks)
-    except Exception:  # a data-dependent read, an op without a meta kernel, a printer gap: trace per size
+    except Exception as exc:  # a data-dependent read, an op without a meta kernel, a printer gap: trace per size
+        template.why = _failure(exc)
         return None
     finally:
         rebound = _put_back(state)
-    if rebound or not formulas.matches(graph, template.geometry):
+    if rebound:
+        template.why = "its Python sets attributes of its modules (state the symbolic pass cannot replay)"
+        return None
+    why = []
+    if not formulas.matches(graph, template.geometry, why):
+        template.why = f"its run on symbolic sizes differs from its trace ({why[0]})"
         return None
     formulas.template = graph
     return formulas
+
+
+def _failure(exc: Exception) -> str:
+    """Why a symbolic pass failed, for a user: an op with no fake kernel is named."""
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+
+    if isinstance(exc, UnsupportedOperatorException):
+        return f"{exc.func} has no fake (meta) kernel: register one with torch.library.register_fake"
+    text = str(exc).strip().splitlines()
+    return f"its run on symbolic sizes failed: {type(exc).__name__}: {text[0][:200] if text else ''}"
 
 
 def _attributes(fn) -> list:
@@ -652,6 +726,7 @@ class Formulas:
             fields.update(op.__dict__)
             del fields["leaves"]
             fields["flops"], fields["nbytes"], fields["resize"] = flops, nbytes, (self, k, values)
+            fields["priced"] = self.sym.ops[k].priced  # an op priced by time: "measured, scaled" here
             fields["cost"] = flops + self._balance[k] * nbytes if flops_model else \
                 price(t.cost, OpCost(str(op.func), flops, nbytes, self._device(k)), None)
             out.append(sized)

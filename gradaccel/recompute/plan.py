@@ -5,7 +5,8 @@ The choice itself is made by the C++ planner (gradaccel/ops/csrc/planner.cpp); t
 from the trace, and runs the replay: only the ops the dropped tensors need, in their original
 order, under ``no_grad`` (autograd re-attaches unpacked tensors to the forward graph, so even
 double backward needs no recorded history), with autocast off (the trace is below autocast:
-its casts are ops of their own) and the generator restored to its state at region entry.
+its casts are ops of their own; an op from outside aten runs under the autocast it ran under,
+for the aten ops inside it) and the generator restored to its state at region entry.
 """
 
 import contextlib
@@ -20,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from gradaccel.ops import extension as _ext
 from gradaccel.recompute.roles import Leaf, Read, Source
 from gradaccel.recompute.cost import FLOPS_PER_BYTE, OFFLOAD_PROBE_BYTES, OpCost, price
-from gradaccel.recompute.trace import Graph, Ref
+from gradaccel.recompute.trace import Graph, Ref, autocast_as
 
 
 @dataclasses.dataclass
@@ -160,7 +161,11 @@ class Plan:
                 op = graph.ops[op_id]
                 args = [self._arg(op_id, i, x, env, leaves) for i, x in enumerate(op.leaves)]
                 a, kw = tree_unflatten(args, op.spec)
-                out_leaves = tree_flatten(op.func(*a, **kw))[0]
+                if op.autocast:  # an op outside aten: its own aten ops are cast as in the forward
+                    with autocast_as(op.autocast):
+                        out_leaves = tree_flatten(op.func(*a, **kw))[0]
+                else:
+                    out_leaves = tree_flatten(op.func(*a, **kw))[0]
                 for sid, i in op.new_storages:
                     env[sid] = out_leaves[i]
         wanted = range(len(graph.packs)) if packs is None else packs

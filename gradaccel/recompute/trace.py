@@ -8,6 +8,7 @@ a view costs nothing and aliasing is counted once. Tensor arguments are kept as 
 Used once per input signature (see gradaccel/recompute/checkpoint.py); later calls run without it.
 """
 
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -20,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from gradaccel.recompute.cost import FLOPS_PER_BYTE, OpCost, price, run_timed  # noqa: F401 (FLOPS_PER_BYTE: fit.py)
+from gradaccel.recompute.flops import formula as _table_formula
 from gradaccel.recompute.roles import Leaf, Source
 from gradaccel.recompute.storage import StorageMap, lazy_bits, storage_key
 
@@ -98,6 +100,11 @@ class Op:
     priced: str = "formula"  # how `flops` was found: "formula", "measured" or "bound"
     module: str = ""  # the submodule of the region that ran it ("mlp.gate_proj"), for reports
     nbytes: int = 0  # bytes it reads and writes (its cost's other term): re-priced at other sizes
+    # An op from outside aten and prims (bitsandbytes' gemm_4bit, flash-attn): the autocast it
+    # ran under, which replay restores (its own aten ops are cast as in a plain forward), and
+    # the dtypes of its tensor outputs (the symbolic pass's fake kernel may not know autocast).
+    autocast: tuple = ()
+    out_dtypes: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,8 +205,9 @@ class Graph:
         return Ref(*self._view_of(t), t.device, meta_only)
 
     # -- recording ---------------------------------------------------------------------------
-    def record(self, func, args, kwargs, out, seconds=None) -> None:
-        """Records one op; ``seconds``: its time in this call, where measured (see Recorder)."""
+    def record(self, func, args, kwargs, out, seconds=None, autocast=()) -> None:
+        """Records one op; ``seconds``: its time in this call, where measured (see Recorder);
+        ``autocast``: for an op outside aten, the autocast it ran under (see :func:`autocast_state`)."""
         op_id = len(self.ops)
         leaves, spec = tree_flatten((args, kwargs))
         meta_only = func.overloadpacket in _METADATA_ONLY
@@ -235,8 +243,10 @@ class Graph:
         flops, priced = _flops(func, args, kwargs, out, seconds if on_cpu else None)
         device = next((r.device for r in refs if isinstance(r, Ref)), torch.device("cpu"))
         cost = price(self.cost, OpCost(str(func), flops, nbytes, device), seconds)
+        foreign = is_foreign(func)
         self.ops.append(Op(func, spec, refs, reads, new_storages, flops, cost, replayable, random, priced,
-                           self._where(), nbytes))
+                           self._where(), nbytes, autocast if foreign else (),
+                           tuple(o.dtype for o in out_leaves if isinstance(o, torch.Tensor)) if foreign else ()))
 
     def _where(self) -> str:
         """The name in the region of the innermost running submodule that has one ("" outside any)."""
@@ -346,6 +356,9 @@ def _flops(func, args, kwargs, out, seconds=None) -> tuple[int, str]:
     in the traced forward (CPU) at this machine's measured matmul rate, or a conservative bound
     (CUDA, where a host timer does not see the kernel). Such an op is never free to recompute."""
     packet = func.overloadpacket
+    known = _table_formula(func, args, kwargs)
+    if known is not None:
+        return _whole(known), "formula"
     if packet in flop_registry:
         try:
             return _whole(flop_registry[packet](*args, **kwargs, out_val=out)), "formula"
@@ -355,7 +368,7 @@ def _flops(func, args, kwargs, out, seconds=None) -> tuple[int, str]:
         # Not in torch's flop registry: two batched matmuls, QK^T and PV.
         q, k = args[0], args[1]
         return 4 * q.numel() * k.shape[-2], "formula"
-    if getattr(func, "namespace", "aten") in ("aten", "prims"):
+    if not is_foreign(func):
         return 0, "formula"  # elementwise and data movement: priced by the bytes they move
     if seconds is not None:
         return max(1, int(seconds * _cpu_flop_rate())), "measured"
@@ -409,6 +422,45 @@ class DataReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def is_foreign(func) -> bool:
+    """An op from outside aten and prims: a library's or the user's (``torch.library``)."""
+    return getattr(func, "namespace", "aten") not in ("aten", "prims")
+
+
+_AUTOCAST_KEYS = {"cpu": torch._C.DispatchKey.AutocastCPU, "cuda": torch._C.DispatchKey.AutocastCUDA}
+
+
+def autocast_state() -> tuple:
+    """The autocast in force now: ((device type, dtype), ...) for each device type it is on for."""
+    return tuple((kind, torch.get_autocast_dtype(kind)) for kind in _AUTOCAST_KEYS if torch.is_autocast_enabled(kind))
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple):
+    """Autocast on exactly for the device types and dtypes of ``state`` (:func:`autocast_state`)."""
+    with contextlib.ExitStack() as stack:
+        for kind, dtype in state:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+        yield
+
+
+@contextlib.contextmanager
+def _autocast_keys(state: tuple):
+    """Inside ``__torch_dispatch__`` the dispatch keys above the Python mode are excluded,
+    autocast's among them. An aten op has been through autocast already; an op from another
+    library runs aten ops of its own (bitsandbytes' CPU gemm_4bit calls ``F.linear``), which
+    autocast casts in a plain forward. They must be cast here too, or the traced call computes
+    in another dtype than every call after it."""
+    if not state:
+        yield
+        return
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for kind, _ in state:
+        exclude = exclude.remove(_AUTOCAST_KEYS[kind])
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        yield
+
+
 class Recorder(TorchDispatchMode):
     """Records every aten op run while it is active into ``graph``."""
 
@@ -416,14 +468,27 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.graph = graph
         self.paused = False
+        self.autocast = ()
+
+    def __enter__(self):
+        self.autocast = autocast_state()  # the region caller's, read before the mode excludes it
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         measured = isinstance(self.graph.cost, str) and self.graph.cost == "measured"
-        if self.paused or (not measured and getattr(func, "namespace", "aten") in ("aten", "prims")):
+        foreign = is_foreign(func)
+        if self.paused or (not measured and not foreign):
             out, seconds = func(*args, **kwargs), None
         else:  # an op's time is its cost ("measured"), or prices an op with no FLOP formula (see _flops)
-            out, seconds = run_timed(func, args, kwargs, sync=measured)
+            with _autocast_keys(self.autocast if foreign else ()):
+                out, seconds = run_timed(func, args, kwargs, sync=measured)
         if not self.paused:
-            self.graph.record(func, args, kwargs, out, seconds)
+            if foreign:
+                out = self.foreign_result(func, out)
+            self.graph.record(func, args, kwargs, out, seconds, self.autocast)
+        return out
+
+    def foreign_result(self, func, out):
+        """What the region gets from an op outside aten (the symbolic pass corrects its dtype)."""
         return out
