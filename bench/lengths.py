@@ -18,6 +18,14 @@ Variants, each on its own copy of the same model:
   once more when it comes);
 - ``gradaccel-fit``: ``gradaccel.fit.fit(model, seq=max length, batch, memory=same).apply()``.
 
+Two more cases, at batch 1. Grouped-query attention (8 heads, 4 KV heads, vocabulary 512) with
+``gradaccel-memory-noseq``: ``checkpoint_blocks(model, memory=same share)`` *without* ``seq``,
+as a user who skips it writes it (the range it profiles grows ahead of the data). And the script
+this project started from, in small (bench/lengths_qlora.py): SFTTrainer, 4-bit QLoRA with peft,
+paged 8-bit AdamW, stock against ``gradaccel.hf.enable(trainer, budget=0.5)``, each in a process
+of its own (``time`` is the whole ``trainer.train()``; ``traced_per_layer`` and ``sized`` count
+the regions' calls; ``loss_diff`` is the largest difference of a logged loss to stock's).
+
 Metrics: ``time`` (seconds of the new-length steps, forward, backward and an SGD step), and
 ``new_vs_planned``: those seconds over the seconds of a second step at each length (a planned
 step; 1.00x means a new length costs nothing extra). Each length is run by every variant in
@@ -37,13 +45,16 @@ import numpy as np
 import torch
 
 import gradaccel
+from bench import lengths_qlora
 from bench.common import backward_flops, hf_checkpointing, progress, pyplot, row, save_figure, tiny
 
 SUITE = "lengths"
 BASELINE = "torch-hf-ckpt"
-TABLE_METRICS = ["time", "new_vs_planned", "peak_bytes", "peak_vs_target", "recompute_flops"]
-TARGETED = ("gradaccel-memory", "gradaccel-fit")  # the variants given the memory target
+TABLE_METRICS = ["time", "new_vs_planned", "peak_bytes", "peak_vs_target", "recompute_flops", "traced_per_layer", "sized",
+                 "loss_diff"]
+TARGETED = ("gradaccel-memory", "gradaccel-fit", "gradaccel-memory-noseq")  # the variants given the memory target
 VARIANTS = ["torch-nockpt", "torch-hf-ckpt", "gradaccel-budget0.5", "gradaccel-memory", "gradaccel-fit"]
+GQA_VARIANTS = ["torch-nockpt", "torch-hf-ckpt", "gradaccel-memory-noseq"]
 
 
 def _config(quick):
@@ -59,7 +70,8 @@ def _model(c, device):
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=c["hidden"], intermediate_size=c["inter"], num_hidden_layers=c["layers"],
-                                   num_attention_heads=c["heads"], num_key_value_heads=c["heads"], vocab_size=c["vocab"],
+                                   num_attention_heads=c["heads"], num_key_value_heads=c.get("kv", c["heads"]),
+                                   vocab_size=c["vocab"],
                                    max_position_embeddings=1024)
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device).train()
 
@@ -96,6 +108,8 @@ class _Variant:
             gradaccel.checkpoint_blocks(self.model, budget=0.5)
         elif name == "gradaccel-memory":
             gradaccel.checkpoint_blocks(self.model, memory=target, seq=c["max_len"])
+        elif name == "gradaccel-memory-noseq":
+            gradaccel.checkpoint_blocks(self.model, memory=target)
         elif name == "gradaccel-fit":
             from gradaccel.memory.fit import fit
 
@@ -130,8 +144,10 @@ def _backward_flops(variant, inputs) -> int:
     return flops
 
 
-def _case(c, batch, device, rows, fails):
-    case = f"llama{c['layers']}x h{c['hidden']} batch {batch}"
+def _case(c, batch, device, rows, fails, variant_names=VARIANTS):
+    kv = c.get("kv", c["heads"])
+    gqa = f" gqa{c['heads']}/{kv} v{c['vocab']}" if kv != c["heads"] else ""
+    case = f"llama{c['layers']}x h{c['hidden']}{gqa} batch {batch}"
     rng = np.random.default_rng(batch)
     base = _model(c, device)
     seen = set()
@@ -140,7 +156,7 @@ def _case(c, batch, device, rows, fails):
     probe = _Variant("torch-nockpt", base, c, device, None, batch)
     target = int(0.6 * _peak(probe, _batch(c, c["max_len"], batch, rng, device)))
     variants = {}
-    for name in VARIANTS:
+    for name in variant_names:
         try:
             variants[name] = _Variant(name, base, c, device, target, batch)
         except Exception as e:  # noqa: BLE001 (a variant that cannot be set up is reported, not fatal)
@@ -204,6 +220,12 @@ def run(device: str, quick: bool) -> list[dict]:
     rows, fails = [], {}
     for batch in (1,) if tiny() else (1, 4):
         _case(c, batch, device, rows, fails)
+    _case(dict(c, heads=8, kv=4, vocab=512) if not tiny() else dict(c, heads=4, kv=2), 1, device, rows, fails,
+          GQA_VARIANTS)
+    try:
+        rows += lengths_qlora.rows(quick, device)
+    except Exception as e:  # noqa: BLE001 (peft/bitsandbytes/trl missing, or the run failed: reported)
+        fails["qlora-sft"] = f"{type(e).__name__}: {e}"
     for name, why in fails.items():
         print(f"bench lengths: {name} left out: {why}")
     return rows
@@ -215,7 +237,8 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 4), squeeze=False)
     for ax, case in zip(axes[0], cases):
         times = {r["variant"]: r["value"] for r in rows if r["case"] == case and r["metric"] == "time"}
-        names = [n for n in VARIANTS if n in times]
+        names = [n for n in VARIANTS + GQA_VARIANTS + list(lengths_qlora.VARIANTS) if n in times]
+        names = list(dict.fromkeys(names))
         ax.bar(range(len(names)), [times[n] for n in names])
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         ax.set(title=case, ylabel="seconds over the new lengths")

@@ -6,7 +6,7 @@ against ``gradaccel.hf.enable(trainer, budget=0.5)``, each in a process of its o
     PYTHONPATH=. python bench/lengths_qlora.py            # both variants, then the table
     PYTHONPATH=. python bench/lengths_qlora.py --variant gradaccel-budget0.5 --dropout 0
 
-The ``lengths`` suite runs :func:`rows` (fewer micro-batches under ``--quick``). Each variant's
+The ``lengths`` suite runs :func:`rows` (a tiny model and 4 micro-batches under ``--tiny``). Each variant's
 ``time`` is the whole ``trainer.train()``; for gradaccel the per-layer counters say how its
 regions were planned (``traced``: calls traced; ``sized``: calls at a new length planned from
 size formulas with no trace).
@@ -43,8 +43,9 @@ def _tokenizer(vocab: int):
 
 
 def run(variant: str, micro: int, accum: int, dropout: float, hidden: int = 256, layers: int = 4,
-        max_len: int = 500) -> dict:
-    """One variant in this process: {time, losses, traced, sized, passes, layers}."""
+        max_len: int = 500, device: str = "cpu") -> dict:
+    """One variant in this process: {time, losses, traced, sized, passes, layers}. On CUDA the
+    model computes in bf16 with flash-attn's kernels where flash-attn is installed."""
     import datasets
     import peft
     import torch
@@ -63,13 +64,16 @@ def run(variant: str, micro: int, accum: int, dropout: float, hidden: int = 256,
                                    num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
                                    max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    cuda = device.startswith("cuda")
     quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                            bnb_4bit_compute_dtype=torch.float32)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=quant)
+                                            bnb_4bit_compute_dtype=torch.bfloat16 if cuda else torch.float32)
+    attn = "flash_attention_2" if cuda and _has("flash_attn") else "sdpa"
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, attn_implementation=attn,
+                                                              device_map=device)
     model = peft.prepare_model_for_kbit_training(model)
     args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=micro // accum, per_device_train_batch_size=1,
                          gradient_accumulation_steps=accum, learning_rate=1e-3, optim="paged_adamw_8bit",
-                         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True,
+                         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=not cuda, bf16=cuda or None,
                          max_length=max_len + 8, seed=0, data_seed=0)
     lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                            task_type="CAUSAL_LM")
@@ -86,10 +90,16 @@ def run(variant: str, micro: int, accum: int, dropout: float, hidden: int = 256,
                 passes=sum(s.passes for s in structures), layers=layers)
 
 
-def _in_process(variant: str, micro: int, accum: int, dropout: float) -> dict:
+def _has(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def _in_process(variant: str, micro: int, accum: int, dropout: float, device: str = "cpu", **kw) -> dict:
     """:func:`run` in a fresh interpreter, as a user starts a script."""
     code = (f"import json, bench.lengths_qlora as q; "
-            f"print('RESULT' + json.dumps(q.run({variant!r}, {micro}, {accum}, {dropout})))")
+            f"print('RESULT' + json.dumps(q.run({variant!r}, {micro}, {accum}, {dropout}, device={device!r}, **{kw!r})))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
@@ -104,9 +114,15 @@ def rows(quick: bool, device: str) -> list[dict]:
     regions ``traced`` and ``sized`` and the largest loss difference to stock."""
     from bench.common import row
 
-    micro, accum = (16, 4) if quick else (64, 16)
+    from bench.common import progress, tiny
+
+    small = dict(hidden=64, layers=2, max_len=40) if tiny() else {}
+    micro, accum = (4, 2) if tiny() else (64, 16)
     case = f"qlora-sft gqa r16 batch 1 ({micro} lengths)"
-    found = {v: _in_process(v, micro, accum, 0.05) for v in VARIANTS}
+    found = {}
+    for i, v in enumerate(VARIANTS, 1):
+        progress(f"{case} {v}", i, len(VARIANTS))
+        found[v] = _in_process(v, micro, accum, 0.05, device, **small)
     out = [row(SUITE, case, v, "time", r["time"], "s", device) for v, r in found.items()]
     ours = found["gradaccel-budget0.5"]
     ref = found["torch-hf-ckpt"]
@@ -123,9 +139,10 @@ def main():
     p.add_argument("--micro", type=int, default=64)
     p.add_argument("--accum", type=int, default=16)
     p.add_argument("--dropout", type=float, default=0.05)
+    p.add_argument("--device", default="cpu")
     a = p.parse_args()
     for v in [a.variant] if a.variant else VARIANTS:
-        r = _in_process(v, a.micro, a.accum, a.dropout)
+        r = _in_process(v, a.micro, a.accum, a.dropout, a.device)
         print(f"{v:<22} {r['time']:7.2f} s  traced {r['traced']:4d}  sized {r['sized']:4d}  passes {r['passes']}  "
               f"losses {[round(x, 4) for x in r['losses']]}")
 

@@ -121,9 +121,29 @@ def plan_keeping(kind: Kind, keep: tuple):
 
 
 def _structure(graph) -> tuple:
-    return (tuple((str(op.func), tuple(op.reads), tuple(op.new_storages), op.replayable, op.random) for op in graph.ops),
+    return (tuple(_structure_of_op(op) for op in graph.ops),
             tuple((p.storage, p.value) for p in graph.packs), tuple(graph.activations), tuple(sorted(graph.outputs.items())),
             tuple(s.creator for s in graph.storages))
+
+
+def _block_name(prof, kind) -> str:
+    """A kind's first block, as a user finds it: its index among the blocks and its class."""
+    i = kind.blocks[0]
+    return f"{i} ({type(prof.blocks[i]).__name__})"
+
+
+def _first_difference(a, b) -> str:
+    """The first op at which two traces of one block differ."""
+    for k, (x, y) in enumerate(zip(a.ops, b.ops)):
+        if _structure_of_op(x) != _structure_of_op(y):
+            return f"op {k}: {x.func} against {y.func}"
+    if len(a.ops) != len(b.ops):
+        return f"{len(a.ops)} ops against {len(b.ops)}"
+    return "what they save for backward"
+
+
+def _structure_of_op(op) -> tuple:
+    return str(op.func), tuple(op.reads), tuple(op.new_storages), op.replayable, op.random
 
 
 class LengthProfile:
@@ -187,8 +207,10 @@ class LengthProfile:
         if any(k != keys[0] for k in keys):
             raise _Unfit("blocks group into kinds differently at different lengths")
         for p in profs:
-            if any(_structure(a.graph) != _structure(b.graph) for a, b in zip(p.kinds, base.kinds)):
-                raise _Unfit("a block traces different ops at different lengths")
+            for a, b in zip(p.kinds, base.kinds):
+                if _structure(a.graph) != _structure(b.graph):
+                    raise _Unfit(f"block {_block_name(p, a)} traces different ops at lengths {p._length} and "
+                                 f"{base._length} ({_first_difference(a.graph, b.graph)})")
             if any(op.priced == "formula" and not float(op.cost).is_integer() for k in p.kinds for op in k.graph.ops):
                 raise _Unfit("op costs that are not FLOP formulas (cost='measured')")
             if [m for _, m in p.events[1]] != [m for _, m in base.events[1]] or \

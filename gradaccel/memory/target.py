@@ -114,6 +114,10 @@ class MemoryTarget:
             if seq is not None:  # lengths will vary: a block's region finds its size formulas when first traced
                 b._gradaccel_lengths = True
         self.has_head = install_head(model)
+        # Without seq, lengths past the profiled range each cost a fake-tensor profile: the range
+        # grows ahead of the data, to the next power of two past twice the longest length seen,
+        # and no further than the positions the model has.
+        self.max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
     def __deepcopy__(self, memo):
         # A copy of the model plans for itself. Its profiles hold fake copies of the model: a
@@ -185,7 +189,7 @@ class MemoryTarget:
             if self.seq is None and first == length:
                 return run(args, kwargs)
             self._past_seq(length)
-            lengths = profile_lengths(max(length, first, self.seq or 0))
+            lengths = profile_lengths(self.seq or self._ahead(max(length, first)))
             if lengths is None:
                 return run(args, kwargs)
             try:
@@ -200,12 +204,20 @@ class MemoryTarget:
         try:
             if lp.failed is None and not lp.covers(length):
                 self._past_seq(length)
-                lp.extend(length)  # one fake-tensor run, checked against the fit: covered from now on
+                # One fake-tensor run, checked against the fit: covered from now on.
+                lp.extend(self._ahead(length) if self.seq is None and length > lp.lengths[-1] else length)
             if lp.covers(length):
                 return lp.at(length)
         except Exception as e:  # noqa: BLE001 (a length the fit cannot predict: profiled itself)
             lp.failed = repr(e)
         return run(args, kwargs)
+
+    def _ahead(self, length: int) -> int:
+        """How far to profile for data that has reached ``length``, without seq (see __init__)."""
+        ahead = 1 << (2 * length - 1).bit_length()
+        if isinstance(self.max_positions, int) and self.max_positions >= length:
+            ahead = min(ahead, self.max_positions)
+        return ahead
 
     def _past_seq(self, length):
         if self.seq is not None and length > self.seq:

@@ -91,10 +91,11 @@ def _train_peak(model, ids):
 
 def test_memory_holds_at_every_length_without_profiling_each():
     """memory= on a model trained at many lengths: the first length is profiled alone, the
-    second profiles the range holding both, then no fake-tensor profile runs for a length
-    inside it; each length's measured peak is under the target
-    and its gradients are those without checkpointing. A length past the longest seen is
-    profiled once, and the lengths up to it are covered from then on."""
+    second profiles a range ahead of both (up to 256: the next power of two past twice the
+    longer), then no fake-tensor profile runs for a length inside it; each length's measured
+    peak is under the target and its gradients are those without checkpointing. A length past
+    the range is profiled once, the range grows ahead of it, and lengths up to there are
+    covered from then on."""
     gradaccel.reset_plans()
     ref, model = _GPT(), _GPT()
     ids = {t: torch.randint(0, 64, (1, t), generator=torch.Generator().manual_seed(t))
@@ -112,7 +113,7 @@ def test_memory_holds_at_every_length_without_profiling_each():
         warnings.filterwarnings("error", message="gradaccel")  # none of ours: the target fits at each length
         for t in (16, 37, 101, 127, 128, 160, 150):
             model(ids[t])  # plans this length
-            assert profile_runs() == runs + (t in (160, 150)), t  # 160: past the longest seen, profiled once
+            assert profile_runs() == runs, t  # 160 and 150 too: inside the range, ahead of the data
             peak = _train_peak(model, ids[t])
             ref_peak = _train_peak(ref, ids[t])
             assert peak <= memory, (t, peak, memory)
@@ -121,6 +122,16 @@ def test_memory_holds_at_every_length_without_profiling_each():
             (mode, predicted, _), = [v for k, v in target.chosen.items() if k == (((1, t), torch.int64),)]
             assert predicted <= memory and (ref_peak <= memory or predicted < ref_peak)
     assert _train_peak(ref, ids[16]) <= memory < _train_peak(ref, ids[160])  # some lengths need no checkpoint
+    (lp,) = target.lengths.values()
+    assert lp.lengths == [8, 132, 194, 256]
+    with warnings.catch_warnings():
+        # The target is below what these lengths can take: each is then profiled itself, and
+        # said so (tested elsewhere). What is checked here is how far the range grows.
+        warnings.simplefilter("ignore")
+        model(torch.randint(0, 64, (1, 300)))  # past the range: it grows ahead of it, to 1024
+        assert lp.lengths == [8, 132, 194, 256, 1024] and lp.failed is None
+        model(torch.randint(0, 64, (1, 700)))
+        assert lp.lengths == [8, 132, 194, 256, 1024]
 
 
 def test_fit_applies_a_plan_per_length_up_to_seq():
