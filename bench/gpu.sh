@@ -39,6 +39,11 @@ timeout 150 "$PY" -m bench --device cuda --suite accumulate,checkpoint,train,fin
   --out /tmp/gradaccel-bench --results-md bench/RESULTS.md > "$OUT/bench.log" 2>&1
 echo "bench exit $?"
 tail -60 "$OUT/bench.log"
+
+echo "== the seed script at every length (QLoRA SFTTrainer, flash_attention_2 where flash-attn is installed)"
+timeout 120 "$PY" bench/lengths_qlora.py --device cuda --micro 32 --accum 8 > "$OUT/lengths_qlora.log" 2>&1
+echo "lengths_qlora exit $?"
+tail -4 "$OUT/lengths_qlora.log"
 cp bench/RESULTS.md "$OUT/" 2>/dev/null
 cp /tmp/gradaccel-bench/report.md /tmp/gradaccel-bench/results.json "$OUT/" 2>/dev/null
 exit 0

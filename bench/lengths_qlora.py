@@ -5,6 +5,7 @@ against ``gradaccel.hf.enable(trainer, budget=0.5)``, each in a process of its o
 
     PYTHONPATH=. python bench/lengths_qlora.py            # both variants, then the table
     PYTHONPATH=. python bench/lengths_qlora.py --variant gradaccel-budget0.5 --dropout 0
+    PYTHONPATH=. python bench/lengths_qlora.py --device cuda     # bf16, flash-attn where installed (bench/gpu.sh)
 
 The ``lengths`` suite runs :func:`rows` (a tiny model and 4 micro-batches under ``--tiny``). Each variant's
 ``time`` is the whole ``trainer.train()``; for gradaccel the per-layer counters say how its
@@ -73,8 +74,8 @@ def run(variant: str, micro: int, accum: int, dropout: float, hidden: int = 256,
     model = peft.prepare_model_for_kbit_training(model)
     args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=micro // accum, per_device_train_batch_size=1,
                          gradient_accumulation_steps=accum, learning_rate=1e-3, optim="paged_adamw_8bit",
-                         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=not cuda, bf16=cuda or None,
-                         max_length=max_len + 8, seed=0, data_seed=0)
+                         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=not cuda,
+                         max_length=max_len + 8, seed=0, data_seed=0, **({"bf16": True} if cuda else {}))
     lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                            task_type="CAUSAL_LM")
     trainer = trl.SFTTrainer(model=model, args=args, processing_class=tok, peft_config=lora,
