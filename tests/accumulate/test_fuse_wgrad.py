@@ -373,3 +373,28 @@ def test_autocast_bf16_matches_the_fold():
     for n in ga:
         rel = ((ga[n] - gb[n]).norm() / ga[n].norm()).item()
         assert rel < 1e-2, (n, rel)
+
+
+def test_hf_llama_tied_under_checkpoint_blocks():
+    """A tied HF Llama (embedding and head share a weight), checkpointed by gradaccel: fused
+    training equals the fold's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    a = transformers.LlamaForCausalLM(cfg)
+    b = copy.deepcopy(a)
+    assert b.lm_head.weight is b.model.embed_tokens.weight
+    for m in (a, b):
+        gradaccel.checkpoint_blocks(m, budget=0.5)
+        m.train()
+    oa = FusedAccumOptimizer(torch.optim.AdamW(a.parameters(), lr=1e-2), 2)
+    ob = FusedAccumOptimizer(torch.optim.AdamW(b.parameters(), lr=1e-2), 2, fuse_wgrad=True, module=b)
+    assert "lm_head" in ob.fused_layers and "model.embed_tokens" in ob.fused_layers
+    g = torch.Generator().manual_seed(3)
+    for k in range(6):
+        ids = torch.randint(0, 96, (2, 9), generator=g)
+        for model, opt in ((a, oa), (b, ob)):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+    _assert_same(a, b, rtol=1e-4)
