@@ -74,8 +74,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             of ``module`` (needed) straight into the fp32 window: their backward adds
             ``dyᵀ @ x`` (rows ``dy`` at ``ids``) onto the weight's slice, products summed in
             fp32, and makes no weight-sized gradient (``gradaccel.ops.wgrad_accumulate_``,
-            ``embedding_accumulate_``). Every other parameter keeps the fold. No ``.grad`` hook
-            of a routed weight fires. Not with FSDP2 (``fully_shard``). See docs/accumulation.md.
+            ``embedding_accumulate_``). Every other parameter keeps the fold. A routed weight's
+            ``.grad`` stays None (its post-accumulate-grad hooks fire and see None). Not with
+            FSDP2 (``fully_shard``). See docs/accumulation.md.
 
     Attributes:
         skipped_steps: windows skipped because their gradient was not finite.

@@ -9,7 +9,8 @@ every weight a weight-sized tensor is made, read back and freed. Here each route
 does): its backward computes the input's and the bias's gradients as stock does, and hands the
 weight's to ``gradaccel.ops.wgrad_accumulate_`` (``slice += dyᵀ @ x``, products summed in fp32)
 or ``embedding_accumulate_`` (``slice[ids] += dy``), then returns no gradient for the weight.
-So nothing weight-sized exists in backward, and no ``.grad`` hook of the weight fires.
+So nothing weight-sized exists in backward, and the weight's ``.grad`` stays None (autograd
+still calls its post-accumulate-grad hooks, which then see None).
 
 Routed: a module whose class keeps ``nn.Linear.forward`` / ``nn.Embedding.forward`` (subclasses
 with their own forward, such as quantized layers, are left alone), whose weight is a plain
