@@ -15,6 +15,9 @@ Case ``finalize …``: the end-of-window pass over the flat buffer: ``torch-fina
 ``flat.mul_(s)``, ``torch.linalg.vector_norm(flat)``, ``torch.isfinite(flat).all()`` (18 B per
 element); ``gradaccel-finalize`` is ``gradaccel.ops.finalize_`` (8 B: one read, one write).
 
+Cases ``window …``: a model's weight gradients over a window, stock vs fold vs
+``fuse_wgrad`` (bench/wgrad.py: window time, peak bytes, gradient error against fp64).
+
 Metrics: ``time`` (s, median, interleaved), ``time_vs_naive`` (x), ``bytes_per_param`` (B, the
 minimum traffic of the variant's kernels, counted from the dtypes, not measured), and on CUDA
 ``bandwidth`` (GB/s = bytes_per_param x params / time) and ``bandwidth_vs_copy`` (x), against a
@@ -25,12 +28,14 @@ device-to-device ``copy_`` of an fp32 buffer of the same size measured in the sa
 
 import torch
 
+from bench import wgrad
 from bench.common import progress, pyplot, row, save_figure, time_interleaved, tiny
 from gradaccel import ops
 
 SUITE = "accumulate"
-BASELINE = ["torch-naive", "torch-finalize", "torch-copy"]
-TABLE_METRICS = ["time", "bytes_per_param", "bandwidth", "bandwidth_vs_copy"]
+BASELINE = ["torch-naive", "torch-finalize", "torch-copy", "torch-stock"]
+TABLE_METRICS = ["time", "bytes_per_param", "bandwidth", "bandwidth_vs_copy", "window_time",
+                 "peak_bytes", "grad_error"]
 FP32 = 4
 
 
@@ -169,6 +174,7 @@ def run(device: str, quick: bool) -> list[dict]:
             gbs = b * params / t / 1e9
             add(case, v, "bandwidth", gbs, "GB/s")
             add(case, v, "bandwidth_vs_copy", gbs / copy_gbs, "x")
+    wgrad.run_rows(device, quick, add)
     return rows
 
 

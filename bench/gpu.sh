@@ -2,10 +2,10 @@
 # Everything a lent GPU machine is for, in one call (the device tool's `run`, timeout_s 540):
 # build the CUDA extension against the machine's own torch, run the suite on CUDA, then
 # `python -m bench --device cuda`, which writes its tables into bench/RESULTS.md. What comes
-# back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, bench.log, RESULTS.md,
-# report.md, results.json. Commit the returned RESULTS.md.
+# back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, wgrad_gpu.txt, bench.log,
+# RESULTS.md, report.md, results.json. Commit the returned RESULTS.md.
 #
-#   run(command="bash bench/gpu.sh", timeout_s=540)
+#   run(command="bash bench/gpu.sh", timeout_s=590)
 #
 # Each step has its own time limit so that a hang in one still leaves the others' output.
 set -uo pipefail
@@ -32,6 +32,11 @@ echo "== tests (CUDA where a test has a device parameter)"
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
 echo "tests exit $?"
 tail -15 "$OUT/tests.log"
+
+echo "== wgrad GEMM (Triton, accumulate epilogue) vs cuBLAS"
+timeout 45 "$PY" -m bench.wgrad_gpu > "$OUT/wgrad_gpu.txt" 2>&1
+echo "wgrad exit $?"
+cat "$OUT/wgrad_gpu.txt"
 
 echo "== bench"
 # Not the frontier suite: its cold inductor compiles (one per budget) would take the step's time.

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from gradaccel.accumulate import sharded as _sharded
 from gradaccel.accumulate import state_dict as _state_dict
+from gradaccel.accumulate import wgrad as _wgrad
 from gradaccel.accumulate.slots import GradSlots
 from gradaccel.accumulate.sync import window_sync
 from gradaccel.accumulate.window import WindowNorm, WindowScheduler, check_accum_steps
@@ -67,7 +68,15 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             micro-batch, which every rank must run (least communication); needs ``module``.
             The buffer holds this rank's shards only. Build the optimizer on every rank: it
             makes a small gloo group for the end-of-window check. See ``gradaccel/accumulate/sharded.py``.
-        module: the ``fully_shard``-ed root module (needed for ``sync="window"``).
+        module: the model: the ``fully_shard``-ed root module (needed for ``sync="window"``), or
+            the plain model whose layers ``fuse_wgrad`` routes.
+        fuse_wgrad: route the weight gradients of the ``nn.Linear`` and ``nn.Embedding`` layers
+            of ``module`` (needed) straight into the fp32 window: their backward adds
+            ``dyᵀ @ x`` (rows ``dy`` at ``ids``) onto the weight's slice, products summed in
+            fp32, and makes no weight-sized gradient (``gradaccel.ops.wgrad_accumulate_``,
+            ``embedding_accumulate_``). Every other parameter keeps the fold. A routed weight's
+            ``.grad`` stays None (its post-accumulate-grad hooks fire and see None). Not with
+            FSDP2 (``fully_shard``). See docs/accumulation.md.
 
     Attributes:
         skipped_steps: windows skipped because their gradient was not finite.
@@ -92,7 +101,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, accum_steps: int, *,
                  normalize: str = "mean", max_grad_norm: float | None = None,
                  master_weights: bool = False, process_group: Any = None,
-                 sync: str = "micro_batch", module: Any = None) -> None:
+                 sync: str = "micro_batch", module: Any = None, fuse_wgrad: bool = False) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, FusedAccumOptimizer):
@@ -109,6 +118,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             max_grad_norm = float(max_grad_norm)
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
+        if not isinstance(fuse_wgrad, bool):
+            raise TypeError(f"fuse_wgrad must be a bool, got {type(fuse_wgrad).__name__}")
+        if fuse_wgrad and not isinstance(module, torch.nn.Module):
+            raise ValueError("fuse_wgrad=True needs module=<the model>: the nn.Linear and nn.Embedding "
+                             "layers whose weight gradients it routes into the window")
         if process_group is not None and not (dist.is_available() and dist.is_initialized()):
             raise ValueError("process_group was given but torch.distributed is not initialized; "
                              "call torch.distributed.init_process_group first")
@@ -121,7 +135,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._slots = GradSlots(master_weights)  # the buffer, a slice and a hook per parameter
         self._norm = norm                        # the window's item count, loss and late scale
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._sync = window_sync(params, process_group, sync, module)  # who sums the ranks' windows
+        if fuse_wgrad and any(_sharded.is_dtensor(p) for p in params):
+            raise ValueError("fuse_wgrad=True is not supported on fully_shard (FSDP2) models: their "
+                             "weights are DTensor shards, and FSDP2 reduce-scatters the .grad that "
+                             "fuse_wgrad never makes. Use fuse_wgrad=False (the fold) with FSDP2")
+        # who sums the ranks' windows (module= is the model to route, not an FSDP2 root, here)
+        self._sync = window_sync(params, process_group, sync, None if fuse_wgrad else module)
         self._accum_steps = accum_steps  # not the setter: the sync hears of it once the buffer exists
         self.max_grad_norm = max_grad_norm
         self.master_weights = master_weights
@@ -134,6 +153,23 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             group["params"] = self._slots.adopt(group["params"], optimizer.state)
         self._slots.grow()
         self._sync.before_micro_batch(0, accum_steps, self._slots.flat)
+        self.fuse_wgrad = fuse_wgrad
+        # (layer, name) of each routed layer; handed back to the model when the wrapper goes.
+        self._fuse_root = module if fuse_wgrad else None
+        self._routed = _wgrad.route(module, self._slots.sink_for) if fuse_wgrad else []
+
+    @property
+    def fused_layers(self) -> list[str]:
+        """Qualified names of the layers whose weight gradients ``fuse_wgrad`` routes."""
+        return [name for _, name in self._routed]
+
+    def __del__(self) -> None:
+        routed = self.__dict__.get("_routed")
+        if routed:
+            try:
+                _wgrad.unroute(routed)
+            except Exception:  # interpreter shutdown: nothing left to clean
+                pass
 
     # --- the inner optimizer's objects, shared -------------------------------------------------
     @property
@@ -252,6 +288,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             raise
         if slots.mark()[0] != mark[0]:
             slots.grow()
+            if self._fuse_root is not None:  # the new weights' layers, not routed yet
+                self._routed += _wgrad.route(self._fuse_root, slots.sink_for)
             # sync="window": the new buffer is released as the old was
             self._sync.before_micro_batch(self._micro, self.accum_steps, slots.flat)
 

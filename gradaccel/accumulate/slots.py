@@ -78,6 +78,19 @@ def _make_hook(views: list, stamps: list, clock: list, i: int) -> Callable[[torc
     return hook
 
 
+def _make_sink(views: list, stamps: list, clock: list, i: int) -> Callable[[Callable], None]:
+    # What fuse_wgrad's layers call in backward instead of returning a weight gradient
+    # (gradaccel/accumulate/wgrad.py): the same window bookkeeping as the fold hook.
+    def sink(add: Callable[[torch.Tensor], None]) -> None:
+        view = views[i]
+        _check_live(view)
+        if stamps[i] < clock[1]:
+            view.zero_()  # first gradient of the window: the slice still holds an earlier one
+        add(view)
+        stamps[i] = clock[0]
+    return sink
+
+
 class GradSlots:
     """Parameters, their fp32 slices of one flat buffer, their hooks and (optional) masters.
 
@@ -154,6 +167,15 @@ class GradSlots:
                 _make_hook(self.views, self.stamps, self.clock, i)))
             out.append(target)
         return out
+
+    def sink_for(self, p: torch.Tensor) -> Callable[[Callable], None] | None:
+        """For ``fuse_wgrad``: a function that hands ``p``'s fp32 slice to ``add(slice)``, which
+        adds the micro-batch's gradient onto it, as the fold hook would have; None if ``p`` has
+        no slice here."""
+        i = self._index.get(id(p))
+        if i is None or self.params[i] is not p:
+            return None
+        return _make_sink(self.views, self.stamps, self.clock, i)
 
     def mark(self) -> tuple[int, int]:
         """How many parameters (trainable, frozen) are adopted now: for :meth:`forget_since`."""

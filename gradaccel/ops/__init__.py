@@ -9,5 +9,6 @@
 """
 
 from gradaccel.ops.accumulate import finalize_, fold_, scale_accumulate_
+from gradaccel.ops.wgrad import embedding_accumulate_, wgrad_accumulate_
 
-__all__ = ["scale_accumulate_", "fold_", "finalize_"]
+__all__ = ["scale_accumulate_", "fold_", "finalize_", "wgrad_accumulate_", "embedding_accumulate_"]

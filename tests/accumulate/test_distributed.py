@@ -66,6 +66,27 @@ def _items_mode(rank):
         assert _max_diff(model, ref) < 2e-6, _max_diff(model, ref)
 
 
+def _fused_wgrad(rank):
+    # fuse_wgrad=True on 2 ranks: the Linear weights' GEMMs write the window buffer, which is
+    # all-reduced once per window as before; equal to big-batch training.
+    model, ref = _model(), _model()
+    opt = FusedAccumOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), 2, max_grad_norm=0.5,
+                              process_group=dist.group.WORLD, fuse_wgrad=True, module=model)
+    assert opt.fused_layers == ["0", "2"]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for window in range(3):
+        x, y = _batch(16, 20 + window)
+        for k in range(2):
+            rows = slice(8 * rank + 4 * k, 8 * rank + 4 * k + 4)
+            torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            assert opt.step() == (k == 1)
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert _max_diff(model, ref) < 2e-6, _max_diff(model, ref)
+
+
 def _ddp_rejected(rank):
     model = _model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -100,7 +121,7 @@ def _diverged_accumulation(rank):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-SCENARIOS = {"mean": _mean_mode, "items": _items_mode, "ddp": _ddp_rejected, "diverged": _diverged_accumulation}
+SCENARIOS = {"mean": _mean_mode, "items": _items_mode, "fused_wgrad": _fused_wgrad, "ddp": _ddp_rejected, "diverged": _diverged_accumulation}
 
 
 @pytest.fixture(scope="module")

@@ -567,6 +567,8 @@ def _refusals(rank):
         FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="window")
     with pytest.raises(ValueError, match="sync must be one of"):
         FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, sync="never")
+    with pytest.raises(ValueError, match="fuse_wgrad=True is not supported on fully_shard"):
+        FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, fuse_wgrad=True, module=model)
     from torch.distributed.fsdp import FullyShardedDataParallel
     for orig in (False, True):
         fsdp1 = FullyShardedDataParallel(TinyLM(), device_id=torch.device("cpu"), use_orig_params=orig)

@@ -8,6 +8,8 @@
 #include <ATen/TensorIterator.h>
 #include <torch/library.h>
 
+#include "axpy.h"
+#include "spans.h"
 #include "fold_plan.h"
 
 #include <algorithm>
@@ -17,83 +19,12 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
-
 namespace gradaccel {
 namespace {
 
 // Elements per parallel task. Fixed (not per thread) so that finalize's partial sums, and
 // hence its result, do not depend on the number of threads.
 constexpr int64_t kChunk = 1 << 16;
-
-inline float load_float(float x) { return x; }
-// bf16 is the top half of an fp32: a shift the compiler vectorises.
-inline float load_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline float load_float(c10::Half x) { return static_cast<float>(x); }
-
-// acc[i] += float(g[i]) * s, written as a product then a sum (no FMA contraction in ISO C++),
-// so the result is bit-identical to PyTorch's `acc + g.float() * s`.
-template <typename T>
-void axpy(float* __restrict acc, const T* __restrict g, float s, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += load_float(g[i]) * s;
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-// The extension is built for baseline x86-64 (SSE2), where fp16 -> fp32 is a scalar bit routine
-// and loops are 128 bits wide: 2.5x slower than PyTorch's AVX2 kernels for fp16 grads. These
-// AVX2/F16C loops are picked at run time where the CPU has them. Still no FMA: same rounding.
-#define GRADACCEL_AVX2 __attribute__((target("avx2,f16c")))
-
-GRADACCEL_AVX2 inline __m256 load8_avx2(const float* g) { return _mm256_loadu_ps(g); }
-GRADACCEL_AVX2 inline __m256 load8_avx2(const c10::BFloat16* g) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-GRADACCEL_AVX2 inline __m256 load8_avx2(const c10::Half* g) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
-}
-
-template <typename T>
-GRADACCEL_AVX2 void axpy_avx2(float* __restrict acc, const T* __restrict g, float s, int64_t n) {
-  const __m256 vs = _mm256_set1_ps(s);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 p0 = _mm256_mul_ps(load8_avx2(g + i), vs);
-    const __m256 p1 = _mm256_mul_ps(load8_avx2(g + i + 8), vs);
-    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), p0));
-    _mm256_storeu_ps(acc + i + 8, _mm256_add_ps(_mm256_loadu_ps(acc + i + 8), p1));
-  }
-  for (; i < n; ++i) acc[i] += load_float(g[i]) * s;
-}
-
-const bool kHaveAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-#else
-constexpr bool kHaveAvx2 = false;
-template <typename T>
-void axpy_avx2(float* acc, const T* g, float s, int64_t n) { axpy(acc, g, s, n); }
-#endif
-
-template <typename T>
-void axpy_best(float* acc, const T* g, float s, int64_t n) {
-  if (kHaveAvx2) return axpy_avx2(acc, g, s, n);
-  axpy(acc, g, s, n);
-}
-
-void axpy_dispatch(float* acc, const void* g, at::ScalarType dtype, float s, int64_t n) {
-  switch (dtype) {
-    case at::kFloat: return axpy_best(acc, static_cast<const float*>(g), s, n);
-    case at::kBFloat16: return axpy_best(acc, static_cast<const c10::BFloat16*>(g), s, n);
-    case at::kHalf: return axpy_best(acc, static_cast<const c10::Half*>(g), s, n);
-    default: TORCH_CHECK(false, "gradaccel: unsupported grad dtype ", dtype);
-  }
-}
 
 // --- argument checks ---------------------------------------------------------------------------
 // The one definition of what each op accepts, for the CPU, Meta and (through the _check_* ops)
@@ -125,8 +56,6 @@ void check_pair(const at::Tensor& acc, const at::Tensor& grad) {
   TORCH_CHECK_VALUE(acc.sym_sizes() == grad.sym_sizes(), "gradaccel.scale_accumulate_: grad has shape ",
                     grad.sym_sizes(), " but acc has shape ", acc.sym_sizes(), "; they must match");
 }
-
-bool spans_intersect(const at::Tensor& a, const at::Tensor& b);
 
 // acc is written while grad is read: no element of acc may be written twice (an expanded view),
 // and grad may be acc itself but no other view of acc's memory. Conservative: grads that
@@ -207,22 +136,6 @@ void check_fold(const at::Tensor& flat, at::TensorList grads, at::IntArrayRef of
     TORCH_CHECK_VALUE(grads[i].device() == flat.device(), "gradaccel.fold_: grads[", i, "] is on ",
                       grads[i].device(), " but flat is on ", flat.device());
   }
-}
-
-// True if the memory spans of `a` and `b` (first to last element) intersect. Conservative for
-// strided tensors that interleave without touching, which is all a caller needs to avoid.
-bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || !a.has_storage() || !b.has_storage()) return false;
-  if (!a.storage().is_alias_of(b.storage())) return false;
-  auto span = [](const at::Tensor& t) {
-    int64_t last = 0;
-    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-    const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-    return std::pair<uintptr_t, uintptr_t>(begin, begin + (last + 1) * t.element_size());
-  };
-  const auto [a0, a1] = span(a);
-  const auto [b0, b1] = span(b);
-  return a0 < b1 && b0 < a1;
 }
 
 // Slices must be in bounds and disjoint, and no grad may live in flat: the fold writes the
