@@ -46,7 +46,9 @@ def _tokenizer(vocab: int):
 def run(variant: str, micro: int, accum: int, dropout: float, hidden: int = 256, layers: int = 4,
         max_len: int = 500, device: str = "cpu") -> dict:
     """One variant in this process: {time, losses, traced, sized, passes, layers}. On CUDA the
-    model computes in bf16 with flash-attn's kernels where flash-attn is installed."""
+    model computes in bf16 with flash-attn's kernels where flash-attn is installed; on CPU in
+    fp32 (TRL would turn bf16 autocast on, and this CPU's bf16 GEMMs are many times slower than
+    fp32: tests/integrations/test_hf_qlora_lengths.py runs bf16)."""
     import datasets
     import peft
     import torch
@@ -75,7 +77,7 @@ def run(variant: str, micro: int, accum: int, dropout: float, hidden: int = 256,
     args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=micro // accum, per_device_train_batch_size=1,
                          gradient_accumulation_steps=accum, learning_rate=1e-3, optim="paged_adamw_8bit",
                          logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=not cuda,
-                         max_length=max_len + 8, seed=0, data_seed=0, **({"bf16": True} if cuda else {}))
+                         max_length=max_len + 8, seed=0, data_seed=0, bf16=cuda)
     lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                            task_type="CAUSAL_LM")
     trainer = trl.SFTTrainer(model=model, args=args, processing_class=tok, peft_config=lora,
