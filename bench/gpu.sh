@@ -3,7 +3,11 @@
 # build the CUDA extension against the machine's own torch, run the suite on CUDA, then
 # `python -m bench --device cuda`, which writes its tables into bench/RESULTS.md. What comes
 # back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, bench.log, RESULTS.md,
-# report.md, results.json. Commit the returned RESULTS.md.
+# report.md, results.json, deepspeed.log. Commit the returned RESULTS.md.
+#
+# On a machine with two GPUs the bench's distributed suite runs too (NCCL, 2 ranks: FSDP2, the DDP
+# Trainer row and the DeepSpeed ZeRO-2 Trainer row); for the last, deepspeed is installed first
+# next to the machine's own torch (pinned, so pip cannot swap it). On one GPU both are skipped.
 #
 #   run(command="bash bench/gpu.sh", timeout_s=540)
 #
@@ -32,6 +36,22 @@ echo "== tests (CUDA where a test has a device parameter)"
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
 echo "tests exit $?"
 tail -15 "$OUT/tests.log"
+
+echo "== two GPUs: deepspeed for the distributed suite's DeepSpeed ZeRO-2 row"
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+if [ "${NGPU:-0}" -ge 2 ]; then
+  if ! "$PY" -c "import deepspeed" > /dev/null 2>&1; then
+    TORCH_PIN=$("$PY" -c "import torch; print(torch.__version__)")
+    echo "torch==$TORCH_PIN" > /tmp/gradaccel-torch-pin.txt
+    timeout 120 "$PY" -m pip install -q "deepspeed==0.19.8" -c /tmp/gradaccel-torch-pin.txt > "$OUT/deepspeed.log" 2>&1 \
+      || echo "deepspeed could not be installed (offline?): the DeepSpeed row is skipped; see deepspeed.log"
+  fi
+  "$PY" -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__)" \
+    >> "$OUT/deepspeed.log" 2>&1
+  tail -2 "$OUT/deepspeed.log"
+else
+  echo "$NGPU GPU(s): the distributed suite (and its DeepSpeed row) needs 2 and is skipped"
+fi
 
 echo "== bench"
 # Not the frontier suite: its cold inductor compiles (one per budget) would take the step's time.

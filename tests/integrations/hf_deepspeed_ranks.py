@@ -39,7 +39,7 @@ LAYERS = 2  # hf_ddp_ranks' Llama
 
 def ds_config(stage=2, **extra):
     """A ZeRO config as users write it: Trainer fills the "auto"s from TrainingArguments."""
-    return {"zero_optimization": {"stage": stage}, "data_types": {"grad_accum_dtype": "fp32"},
+    return {"zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"}, "data_types": {"grad_accum_dtype": "fp32"},
             "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
             **extra}
