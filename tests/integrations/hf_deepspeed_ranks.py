@@ -137,13 +137,66 @@ def bf16():
     compare(ref, ours, clipped=1.0)
 
 
+def accelerate_loop(use_gradaccel):
+    """The accelerate recipe with a DeepSpeed plugin: accumulate(), backward(), step(); each rank on its own data."""
+    import accelerate
+    from accelerate.utils import DeepSpeedPlugin
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir())
+    model.activation_checkpointing_enable()
+    accelerate.state.AcceleratorState._reset_state()
+    accelerate.state.GradientState._reset_state()
+    cfg = dict(ds_config(), train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=A, gradient_clipping=0.5)
+    for k in ("train_batch_size", "bf16"):
+        cfg.pop(k)
+    cfg["zero_optimization"] = {"stage": 2}
+    # Not cpu=True: accelerate then ignores the plugin. DS_ACCELERATOR=cpu keeps DeepSpeed on the CPU.
+    accelerator = accelerate.Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=A)
+    said = []
+    if use_gradaccel:
+        reset_plans()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            gradaccel.hf.enable(accelerator, budget=0.5)
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model.train()
+    gen = torch.Generator().manual_seed(100 + RANK)
+    losses = []
+    for k in range(A * WINDOWS):
+        ids = torch.randint(2, 64, (MICRO, 5 + (3 * k + RANK) % 7), generator=gen)
+        with accelerator.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return model, losses, [str(w.message) for w in said]
+
+
+def accelerate_run():
+    ref, ref_losses, _ = accelerate_loop(False)
+    model, losses, said = accelerate_loop(True)
+    assert type(model).__name__ == "DeepSpeedEngine" and model.zero_optimization_stage() == 2
+    layers = [m for m in model.module.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    assert all(isinstance(m._gradient_checkpointing_func, _HFCheckpoint) for m in layers)
+    rows = [r for r in plan_rows() if r["region"] == "LlamaDecoderLayer.forward"]
+    assert sum(r["calls"] for r in rows) == LAYERS * A * WINDOWS, rows
+    assert len([m for m in said if "DeepSpeed ZeRO-2" in m]) == 1, said
+    assert losses == ref_losses, f"{losses} vs stock {ref_losses}"
+    for (name, p), q in zip(ref.module.named_parameters(), model.module.parameters()):
+        assert torch.equal(p, q), f"{name}: max diff {(p.float() - q.float()).abs().max().item():.3e}"
+    assert_same_on_every_rank(model.module)
+
+
 def refused():
     """On real DeepSpeed Trainers: ZeRO-3 and DeepSpeed's activation checkpointing are refused at
     hf.enable, naming what works; bf16 accumulation is pointed at grad_accum_dtype."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
     def trainer(cfg, **kw):
+        model = load("full")  # before the arguments: a ZeRO-3 config makes from_pretrained partition (zero.Init)
         args = transformers.TrainingArguments(output_dir=os.path.join(OUT, "refused"), use_cpu=True, report_to=[],
                                               deepspeed=cfg, **kw)
-        return transformers.Trainer(model=load("full"), args=args, train_dataset=data(), data_collator=pad_collate)
+        return transformers.Trainer(model=model, args=args, train_dataset=data(), data_collator=pad_collate)
     for cfg, words in [(ds_config(stage=3), ["ZeRO-3", "fully_shard", '"stage": 2']),
                        (ds_config(activation_checkpointing={"partition_activations": True}),
                         ["partition_activations", "gradient_checkpointing=True"])]:
@@ -153,6 +206,8 @@ def refused():
             assert all(w in str(e) for w in words), str(e)
         else:
             raise AssertionError(f"not refused: {cfg}")
+        finally:  # the arguments' DeepSpeed config is global in transformers (a ZeRO-3 one partitions loads)
+            unset_hf_deepspeed_config()
     cfg = {k: v for k, v in ds_config().items() if k != "data_types"}
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -161,7 +216,9 @@ def refused():
     assert len(said) == 1 and '"data_types": {"grad_accum_dtype": "fp32"}' in said[0] and "in bf16" in said[0], said
 
 
-SCENARIOS = {"full": full, "lora": lora, "bf16": bf16, "refused": refused}
+# The accelerate loop after the Trainers (it resets accelerate's state, which they made), the
+# refusals last (they leave DeepSpeed configs that no run follows).
+SCENARIOS = {"full": full, "lora": lora, "bf16": bf16, "accelerate": accelerate_run, "refused": refused}
 
 
 def main():

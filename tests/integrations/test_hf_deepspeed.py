@@ -24,7 +24,7 @@ from gradaccel.integrations import hf  # noqa: E402  (private parts too)
 from gradaccel.integrations import hf_deepspeed  # noqa: E402
 
 HERE = Path(__file__).parent
-SCENARIOS = ["full", "lora", "bf16", "refused"]
+SCENARIOS = ["full", "lora", "bf16", "accelerate", "refused"]
 TIMEOUT_S = 300  # the launch; ~70 s on 2 busy cores
 
 
