@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine: `make test` and `make bench`.
 PYTHON ?= python3
 VENV   ?= .venv
-EXTRAS ?= test,hf
+# deepspeed: tests/integrations/test_hf_deepspeed.py runs DeepSpeed ZeRO-2 on two CPU processes.
+EXTRAS ?= test,hf,deepspeed
 # The CPU build of torch that this machine installs from a local file, without a download.
 TORCH_CPU ?= torch==2.13.0
 NVCC   ?= nvcc

@@ -23,7 +23,10 @@ ranks where 2 GPUs are present.
 
 And a Hugging Face Trainer row (``trainer-…`` cases, where transformers is installed): stock DDP
 Trainer (``torch-ddp-trainer``) against ``gradaccel.hf.enable`` (``gradaccel-trainer``), same
-metrics but ``sent_bytes``; see ``bench/distributed_trainer.py``.
+metrics but ``sent_bytes``; see ``bench/distributed_trainer.py``. And a DeepSpeed ZeRO-2 Trainer row
+(``deepspeed-…`` cases, where deepspeed is installed): stock DeepSpeed with HF checkpointing
+(``torch-deepspeed-trainer``) against ``gradaccel.hf.enable(budget=0.5)`` (``gradaccel-deepspeed-b0.5``):
+window time, peak bytes and gradient bytes held; see ``bench/distributed_deepspeed.py``.
 """
 
 from __future__ import annotations
@@ -41,13 +44,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench import distributed_trainer
+from bench import distributed_deepspeed, distributed_trainer
 from bench.common import progress, pyplot, row, save_figure, time_interleaved, tiny
 from bench.models import GPT, GPTConfig
 
 SUITE = "distributed"
-BASELINE = ["torch-fsdp2", "torch-ddp-trainer"]
-TABLE_METRICS = ["window_time", "grad_bytes", "sent_bytes", "grad_sent_bytes", "grad_rel_err"]
+BASELINE = ["torch-fsdp2", "torch-ddp-trainer", "torch-deepspeed-trainer"]
+TABLE_METRICS = ["window_time", "grad_bytes", "peak_bytes", "sent_bytes", "grad_sent_bytes", "grad_rel_err"]
 VARIANTS = ("torch-fsdp2", "torch-fsdp2-nosync", "gradaccel-micro_batch", "gradaccel-window")
 WORLD = 2
 
@@ -189,7 +192,7 @@ def _case(rank: int, device: torch.device, cfg: GPTConfig, micro: int, accum: in
     return out
 
 
-def _worker(rank: int, port: int, cases: list, trainer_cases: list, device_type: str, path: str) -> None:
+def _worker(rank: int, port: int, cases: list, trainer_cases: list, ds_cases: list, device_type: str, path: str) -> None:
     torch.set_num_threads(1)
     cuda = device_type == "cuda"
     # What torchrun sets, so that accelerate (the Trainer row) sees these ranks as its processes.
@@ -211,6 +214,13 @@ def _worker(rank: int, port: int, cases: list, trainer_cases: list, device_type:
                 windows = 2 if tiny() else 4
                 results[name] = distributed_trainer.case(rank, device, name, cfg, micro, accum, windows, out)
             dist.barrier()
+        if ds_cases and not cuda:
+            distributed_deepspeed.prepare_cpu()
+        for name, cfg, micro, accum in ds_cases:
+            with tempfile.TemporaryDirectory() as out:
+                windows = 2 if tiny() else 4
+                results[name] = distributed_deepspeed.case(rank, device, name, cfg, micro, accum, windows, out)
+            dist.barrier()
     finally:
         if rank == 0:
             with open(path, "w") as f:
@@ -228,14 +238,17 @@ def run(device: str, quick: bool) -> list[dict]:
     trainer_cases = []
     if importlib.util.find_spec("transformers") and importlib.util.find_spec("accelerate"):
         trainer_cases = distributed_trainer.configs(device, quick, tiny())
+    ds_cases = []
+    if trainer_cases and distributed_deepspeed.available():
+        ds_cases = distributed_deepspeed.configs(device, quick, tiny())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rank0.json")
-        progress(f"{len(cases) + len(trainer_cases)} case(s) on {WORLD} ranks: "
-                 + ", ".join(c[0] for c in cases + trainer_cases))
-        ctx = mp.spawn(_worker, args=(port, cases, trainer_cases, device, path), nprocs=WORLD, join=False)
+        progress(f"{len(cases) + len(trainer_cases) + len(ds_cases)} case(s) on {WORLD} ranks: "
+                 + ", ".join(c[0] for c in cases + trainer_cases + ds_cases))
+        ctx = mp.spawn(_worker, args=(port, cases, trainer_cases, ds_cases, device, path), nprocs=WORLD, join=False)
         deadline = time.monotonic() + (300 if tiny() else 1800)
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
@@ -244,7 +257,8 @@ def run(device: str, quick: bool) -> list[dict]:
                 raise RuntimeError("the distributed suite's ranks did not finish in time")
         with open(path) as f:
             results = json.load(f)
-    units = {"window_time": "s", "grad_bytes": "B", "sent_bytes": "B", "grad_sent_bytes": "B", "grad_rel_err": ""}
+    units = {"window_time": "s", "grad_bytes": "B", "peak_bytes": "B", "sent_bytes": "B", "grad_sent_bytes": "B",
+             "grad_rel_err": ""}
     rows = []
     for case, per_variant in results.items():
         for v, metrics in per_variant.items():

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Everything a lent GPU machine is for, in one call (the device tool's `run`, timeout_s 540):
+# Everything a lent GPU machine is for, in one call (the device tool's `run`, timeout_s 590):
 # build the CUDA extension against the machine's own torch, run the suite on CUDA, then
 # `python -m bench --device cuda`, which writes its tables into bench/RESULTS.md. What comes
-# back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, wgrad_gpu.txt, bench.log,
-# RESULTS.md, report.md, results.json. Commit the returned RESULTS.md.
+# back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, checks.log (the wgrad GEMM
+# against cuBLAS, deepspeed's install, the seed script at every length), bench.log, RESULTS.md,
+# report.md, results.json. Commit the returned RESULTS.md.
+#
+# On a machine with two GPUs the bench's distributed suite runs too (NCCL, 2 ranks: FSDP2, the DDP
+# Trainer row and the DeepSpeed ZeRO-2 Trainer row); for the last, deepspeed is installed first
+# next to the machine's own torch (pinned, so pip cannot swap it). On one GPU both are skipped.
 #
 #   run(command="bash bench/gpu.sh", timeout_s=590)
 #
@@ -29,26 +34,41 @@ fi
 print('extension built with CUDA:', _ext.load().with_cuda, '| GPU visible:', torch.cuda.is_available())"
 
 echo "== tests (CUDA where a test has a device parameter)"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
 echo "tests exit $?"
 tail -15 "$OUT/tests.log"
 
 echo "== wgrad GEMM (Triton, accumulate epilogue) vs cuBLAS"
-timeout 45 "$PY" -m bench.wgrad_gpu > "$OUT/wgrad_gpu.txt" 2>&1
+timeout 45 "$PY" -m bench.wgrad_gpu > "$OUT/checks.log" 2>&1
 echo "wgrad exit $?"
-cat "$OUT/wgrad_gpu.txt"
+tail -20 "$OUT/checks.log"
+echo "== two GPUs: deepspeed for the distributed suite's DeepSpeed ZeRO-2 row"
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+if [ "${NGPU:-0}" -ge 2 ]; then
+  if ! "$PY" -c "import deepspeed" > /dev/null 2>&1; then
+    TORCH_PIN=$("$PY" -c "import torch; print(torch.__version__)")
+    echo "torch==$TORCH_PIN" > /tmp/gradaccel-torch-pin.txt
+    timeout 120 "$PY" -m pip install -q "deepspeed==0.19.8" -c /tmp/gradaccel-torch-pin.txt >> "$OUT/checks.log" 2>&1 \
+      || echo "deepspeed could not be installed (offline?): the DeepSpeed row is skipped; see checks.log"
+  fi
+  "$PY" -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__)" \
+    >> "$OUT/checks.log" 2>&1
+  tail -2 "$OUT/checks.log"
+else
+  echo "$NGPU GPU(s): the distributed suite (and its DeepSpeed row) needs 2 and is skipped"
+fi
 
 echo "== bench"
 # Not the frontier suite: its cold inductor compiles (one per budget) would take the step's time.
-timeout 150 "$PY" -m bench --device cuda --suite accumulate,checkpoint,train,finetune,distributed,fit \
+timeout 120 "$PY" -m bench --device cuda --suite accumulate,checkpoint,train,finetune,distributed,fit \
   --out /tmp/gradaccel-bench --results-md bench/RESULTS.md > "$OUT/bench.log" 2>&1
 echo "bench exit $?"
 tail -60 "$OUT/bench.log"
 
 echo "== the seed script at every length (QLoRA SFTTrainer, flash_attention_2 where flash-attn is installed)"
-timeout 120 "$PY" bench/lengths_qlora.py --device cuda --micro 32 --accum 8 > "$OUT/lengths_qlora.log" 2>&1
+timeout 60 "$PY" bench/lengths_qlora.py --device cuda --micro 16 --accum 4 >> "$OUT/checks.log" 2>&1
 echo "lengths_qlora exit $?"
-tail -4 "$OUT/lengths_qlora.log"
+tail -4 "$OUT/checks.log"
 cp bench/RESULTS.md "$OUT/" 2>/dev/null
 cp /tmp/gradaccel-bench/report.md /tmp/gradaccel-bench/results.json "$OUT/" 2>/dev/null
 exit 0

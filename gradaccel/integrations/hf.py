@@ -25,7 +25,13 @@ On several processes (``torchrun`` / ``accelerate launch``: accelerate's DDP, ``
 ``MULTI_CPU``) accelerate builds no ``DistributedDataParallel``: every rank starts from rank 0's
 weights, folds its micro-batches into its own fp32 buffer, and the buffer is all-reduced once per
 window, after the ranks agreed they ended the same window (``gradaccel/integrations/hf_dist.py`` says why, and
-what is refused: DeepSpeed, FSDP through accelerate).
+what is refused: FSDP through accelerate).
+
+Under DeepSpeed (ZeRO 0, 1, 2: Trainer's ``deepspeed=`` or accelerate's DeepSpeed plugin) the
+gradient stays DeepSpeed's: its engine reduces it every micro-batch, accumulates its partition,
+clips and steps. gradaccel runs the checkpointing only and says so once, in a warning
+(``gradaccel/integrations/hf_deepspeed.py``: why, and what is refused: ZeRO-3, DeepSpeed's own
+activation checkpointing).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gradaccel.integrations import hf_deepspeed as _hf_ds
 from gradaccel.integrations import hf_dist as _hf_dist
 from gradaccel.recompute import blocks
 from gradaccel.recompute.checkpoint import _check_budget
@@ -66,8 +73,9 @@ def enable(target: Any, budget: None | float | int = None) -> Any:
     Raises:
         TypeError: ``target`` is neither; the trainer already holds a ``FusedAccumOptimizer`` that
             accumulates by itself.
-        ValueError: a set-up gradaccel cannot serve: fp16 with a gradient scaler, DeepSpeed,
-            FSDP through accelerate, a DDP communication hook, a bad ``budget`` (each message
+        ValueError: a set-up gradaccel cannot serve: fp16 with a gradient scaler (outside
+            DeepSpeed), DeepSpeed ZeRO-3 or DeepSpeed's own activation checkpointing, FSDP
+            through accelerate, a DDP communication hook, a bad ``budget`` (each message
             names the route that works); or, at ``prepare``, an optimizer that misses
             parameters the model trains (built before peft added its adapters), a model with
             BatchNorm running statistics on several processes.
@@ -90,7 +98,8 @@ def enable(target: Any, budget: None | float | int = None) -> Any:
 
 def _enable_trainer(trainer, budget) -> None:
     args = trainer.args
-    if getattr(args, "fp16", False):
+    # Under DeepSpeed its engine keeps .grad and its own loss scaler: fp16 is DeepSpeed's business.
+    if getattr(args, "fp16", False) and not _hf_ds.active(trainer.accelerator):
         raise ValueError("gradaccel.hf.enable: fp16=True trains with a gradient scaler that unscales and "
                          "checks .grad, which gradaccel frees; use bf16=True (no scaler)")
     if isinstance(trainer.optimizer, FusedAccumOptimizer) or isinstance(
@@ -152,6 +161,7 @@ class _State:
     def __init__(self, budget):
         self.budget = budget
         self.optimizers: list[weakref.ref] = []
+        self.deepspeed = False  # True: checkpointing only, the gradient is DeepSpeed's
 
     def fused(self) -> list[FusedAccumOptimizer]:
         return [o for o in (r() for r in self.optimizers) if o is not None]
@@ -169,7 +179,10 @@ def _patch_accelerator(acc, budget) -> None:
     if state is not None:
         state.budget = budget
         return
-    _hf_dist.check(acc)  # DeepSpeed, FSDP, ...: refused with the route that works
+    if _hf_ds.active(acc):
+        _patch_deepspeed(acc, budget)
+        return
+    _hf_dist.check(acc)  # FSDP, ...: refused with the route that works
     if getattr(acc, "scaler", None) is not None:
         raise ValueError("gradaccel.hf.enable: mixed_precision='fp16' uses a gradient scaler that reads .grad, "
                          "which gradaccel frees; use bf16")
@@ -223,6 +236,24 @@ def _patch_accelerator(acc, budget) -> None:
 
     acc.prepare, acc.prepare_optimizer = prepare_, prepare_optimizer_
     acc.clip_grad_norm_, acc.clip_grad_value_, acc.backward = clip_grad_norm__, clip_grad_value__, backward_
+
+
+def _patch_deepspeed(acc, budget) -> None:
+    """Under DeepSpeed (ZeRO 0-2): gradaccel's checkpointing only; the gradient stays DeepSpeed's
+    (gradaccel/integrations/hf_deepspeed.py says why it cannot be folded into DeepSpeed's buffer)."""
+    _hf_ds.check(acc)  # ZeRO-3, DeepSpeed's activation checkpointing: refused, naming what works
+    state = acc._gradaccel = _State(budget)
+    state.deepspeed = True
+    _hf_ds.say_split(acc, budget)
+    prepare = acc.prepare
+
+    def prepare_(*args, device_placement=None):
+        for a in args:
+            if isinstance(a, nn.Module):
+                _checkpoint(a, state.budget, on=False)
+        return prepare(*args, device_placement=device_placement)
+
+    acc.prepare = prepare_
 
 
 def _wrap(optimizer: torch.optim.Optimizer, group=None) -> FusedAccumOptimizer:

@@ -31,8 +31,7 @@ one on every rank, which is DDP's ``find_unused_parameters`` result; those setti
 concern the reducer and are moot). What DDP's all-reduce overlapped with the last backward, the
 window's one all-reduce does after it, in fp32: ``bench/distributed.py`` measures both.
 
-What is refused, naming the route that works (``docs/huggingface-distributed.md``): DeepSpeed (its engine
-owns and reduces the gradient every micro-batch); FSDP (accelerate shards the model and points
+What is refused, naming the route that works (``docs/huggingface-distributed.md``): FSDP (accelerate shards the model and points
 the optimizer at the shards inside ``prepare``; gradaccel's FSDP2 path is
 ``FusedAccumOptimizer(sync="window", module=model)`` on a ``fully_shard``-ed model); a DDP
 communication hook (there is no DDP to run it); models whose buffers change in forward
@@ -50,11 +49,6 @@ import torch.nn as nn
 FSDP_ROUTE = ("shard the model yourself (torch.distributed.fsdp.fully_shard, per block then the root) "
               "and wrap the optimizer in gradaccel.FusedAccumOptimizer(opt, accum_steps, "
               "sync='window', module=model) in a plain PyTorch loop (docs/huggingface-distributed.md)")
-DEEPSPEED_ROUTE = ("its nearest equivalent with gradaccel is FSDP2 with reshard_after_forward=False "
-                   "(ZeRO-2: parameters kept whole between forward and backward, gradients and "
-                   "optimizer state sharded): fully_shard(block, reshard_after_forward=False) for each "
-                   "block and the root, and gradaccel.FusedAccumOptimizer(opt, accum_steps, "
-                   "sync='window', module=model), in a plain PyTorch loop (docs/huggingface-distributed.md)")
 
 
 def check(acc: Any) -> None:
@@ -62,16 +56,13 @@ def check(acc: Any) -> None:
     silently replaced one (FSDP asked for on CPU runs DDP).
 
     Raises:
-        ValueError: DeepSpeed, FSDP, tensor parallelism, XLA, Megatron-LM, or a DDP
-            communication hook; each message names the route that works.
+        ValueError: FSDP, tensor parallelism, XLA, Megatron-LM, or a DDP communication hook;
+            each message names the route that works. (DeepSpeed is served apart, with
+            checkpointing only: gradaccel/integrations/hf_deepspeed.py.)
     """
     from accelerate.utils import DistributedType
 
     kind = acc.distributed_type
-    if kind == DistributedType.DEEPSPEED:
-        raise ValueError("gradaccel.hf.enable: DeepSpeed is not supported: its engine owns the gradient "
-                         "(it reduces, partitions and accumulates it every micro-batch, in bf16 unless "
-                         f"grad_accum_dtype is set), which is what gradaccel replaces. {DEEPSPEED_ROUTE}")
     if kind == DistributedType.FSDP:
         version = getattr(getattr(acc.state, "fsdp_plugin", None), "fsdp_version", 1)
         raise ValueError(f"gradaccel.hf.enable: FSDP{version} through accelerate is not supported: accelerate "

@@ -58,7 +58,6 @@ def _accelerator(kind, processes=2, **state):
 
 
 @pytest.mark.parametrize("kind, words", [
-    ("DEEPSPEED", ["DeepSpeed", "reshard_after_forward=False", "sync='window'"]),
     ("FSDP", ["FSDP2 through accelerate", "fully_shard", "sync='window'", "DDP"]),
     ("XLA", ["XLA", "MULTI_GPU"]),
 ])

@@ -1,0 +1,94 @@
+"""gradaccel.hf.enable under DeepSpeed ZeRO-2, launched as a user launches it:
+``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2`` on a Trainer script with ``deepspeed=`` (CPU,
+gloo). The rank script, tests/integrations/hf_deepspeed_ranks.py, runs every scenario in one
+launch against stock DeepSpeed Trainer with Hugging Face's checkpointing; here each scenario's
+result is read per rank. Plus what is refused or said, on accelerators this machine cannot
+launch (one process, no launch). Skipped where deepspeed is not installed (the ``[deepspeed]``
+extra; ``make test`` installs it)."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("accelerate")
+pytest.importorskip("deepspeed")
+
+from gradaccel.integrations import hf  # noqa: E402  (private parts too)
+from gradaccel.integrations import hf_deepspeed  # noqa: E402
+
+HERE = Path(__file__).parent
+SCENARIOS = ["full", "lora", "bf16", "accelerate", "refused"]
+TIMEOUT_S = 300  # the launch; ~70 s on 2 busy cores
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_deepspeed")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "hf_deepspeed_ranks.py"), str(out)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:  # a hung collective fails the test, never stalls CI
+        pytest.fail(f"torchrun did not finish within {TIMEOUT_S} s:\n{(exc.stderr or '')[-3000:]}")
+    files = [out / f"rank{r}.json" for r in range(2)]
+    assert all(f.exists() for f in files), f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_two_processes_zero2(results, scenario):
+    for rank, res in enumerate(results):
+        assert res.get(scenario) == "ok", f"rank {rank}:\n{res.get(scenario)}"
+
+
+def _accelerator(config, mixed_precision="no"):
+    """What gradaccel reads of an accelerator under DeepSpeed."""
+    from accelerate.utils import DistributedType
+    plugin = types.SimpleNamespace(deepspeed_config=config)
+    acc = types.SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2, mixed_precision=mixed_precision,
+                                state=types.SimpleNamespace(deepspeed_plugin=plugin), scaler=None)
+    acc.prepare = lambda *args, device_placement=None: args
+    return acc
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"zero_optimization": {"stage": 3}}, ["ZeRO-3", "fully_shard", "sync='window'", '"stage": 2',
+                                             "Hugging Face's own checkpointing"]),
+    ({"zero_optimization": {"stage": 2}, "activation_checkpointing": {"cpu_checkpointing": True}},
+     ["cpu_checkpointing", "deepspeed.checkpointing.checkpoint", "gradient_checkpointing=True", "offload=True"]),
+])
+def test_refused_name_what_works(config, words):
+    acc = _accelerator(config)
+    with pytest.raises(ValueError) as err:
+        hf._patch_accelerator(acc, 0.5)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    assert not hasattr(acc, "_gradaccel")  # nothing patched
+
+
+@pytest.mark.parametrize("config, mixed, accum", [
+    ({"zero_optimization": {"stage": 2}}, "no", "fp32"),
+    ({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}, "no", "bf16"),
+    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}, "bf16", "bf16"),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, "no", "fp32"),
+    ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, "no", "fp16"),
+])
+def test_split_said_once_naming_fp32_accumulation(config, mixed, accum):
+    acc = _accelerator(config, mixed)
+    with pytest.warns(UserWarning) as said:
+        hf._patch_accelerator(acc, 0.5)
+        hf._patch_accelerator(acc, 0.25)  # again (a new budget): nothing more said
+    msgs = [str(w.message) for w in said if "gradaccel.hf.enable under DeepSpeed" in str(w.message)]
+    assert len(msgs) == 1, msgs
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    assert f"ZeRO-{stage}" in msgs[0] and "DeepSpeed keeps the gradient" in msgs[0] and f"(in {accum})" in msgs[0]
+    assert (hf_deepspeed.FP32_ACCUM in msgs[0]) == (accum != "fp32"), msgs[0]
+    assert acc._gradaccel.deepspeed and acc._gradaccel.budget == 0.25 and not acc._gradaccel.fused()
