@@ -19,7 +19,7 @@ PUBLIC = [
                    "reset_plans", "FusedAccumOptimizer", "WindowScheduler", "hf", "ops"]),
     ("gradaccel.hf", ["enable"]),
     ("gradaccel.fit", ["fit", "main"]),
-    ("gradaccel.ops", ["scale_accumulate_", "fold_", "finalize_"]),
+    ("gradaccel.ops", ["scale_accumulate_", "fold_", "finalize_", "wgrad_accumulate_", "embedding_accumulate_"]),
     ("gradaccel.memory", ["LiveBytes"]),
 ]
 

@@ -53,7 +53,7 @@ from gradaccel.accumulate.optimizer import FusedAccumOptimizer
 __all__ = ["enable"]
 
 
-def enable(target: Any, budget: None | float | int = None) -> Any:
+def enable(target: Any, budget: None | float | int = None, *, fuse_wgrad: bool = False) -> Any:
     """Puts gradaccel under a Hugging Face ``Trainer`` (or ``trl.SFTTrainer``) or an ``accelerate.Accelerator``.
 
     Call it on the trainer after building it and before ``train()``; on an accelerator before
@@ -66,6 +66,10 @@ def enable(target: Any, budget: None | float | int = None) -> Any:
             where HF gradient checkpointing is (or later gets) turned on; with it off, a budget
             other than None is warned about. A model that ``checkpoint_blocks`` already
             checkpoints keeps its budget (``gradaccel.recompute.blocks.set_budget`` changes it).
+        fuse_wgrad: the weight gradients of the model's ``nn.Linear`` and ``nn.Embedding``
+            layers go from their GEMM straight into the fp32 window
+            (``FusedAccumOptimizer(fuse_wgrad=True)``, docs/accumulation.md); not under
+            DeepSpeed, which owns the gradient there.
 
     Returns:
         ``target``.
@@ -84,19 +88,21 @@ def enable(target: Any, budget: None | float | int = None) -> Any:
             the window, or after the process group's timeout, never a hang.
     """
     _check_budget(budget)
+    if not isinstance(fuse_wgrad, bool):
+        raise TypeError(f"fuse_wgrad must be a bool, got {type(fuse_wgrad).__name__}")
     accelerate = sys.modules.get("accelerate")
     transformers = sys.modules.get("transformers")
     if transformers is not None and isinstance(target, transformers.Trainer):
-        _enable_trainer(target, budget)
+        _enable_trainer(target, budget, fuse_wgrad)
     elif accelerate is not None and isinstance(target, accelerate.Accelerator):
-        _patch_accelerator(target, budget)
+        _patch_accelerator(target, budget, fuse_wgrad)
     else:
         raise TypeError(f"gradaccel.hf.enable takes a transformers.Trainer or an accelerate.Accelerator, "
                         f"got {type(target).__name__}")
     return target
 
 
-def _enable_trainer(trainer, budget) -> None:
+def _enable_trainer(trainer, budget, fuse_wgrad=False) -> None:
     args = trainer.args
     # Under DeepSpeed its engine keeps .grad and its own loss scaler: fp16 is DeepSpeed's business.
     if getattr(args, "fp16", False) and not _hf_ds.active(trainer.accelerator):
@@ -110,14 +116,14 @@ def _enable_trainer(trainer, budget) -> None:
     model = trainer.model
     checkpointing = bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None))
     _checkpoint(model, budget, on=checkpointing)
-    _patch_accelerator(trainer.accelerator, budget)
+    _patch_accelerator(trainer.accelerator, budget, fuse_wgrad)
     if "create_accelerator_and_postprocess" not in vars(trainer):
         # A hyper-parameter search builds a new accelerator per trial: it gets gradaccel too.
         create = trainer.create_accelerator_and_postprocess
 
         def create_accelerator_and_postprocess():
             create()
-            _patch_accelerator(trainer.accelerator, trainer._gradaccel_budget)
+            _patch_accelerator(trainer.accelerator, trainer._gradaccel_budget, trainer._gradaccel_fuse_wgrad)
 
         trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
     if "train" not in vars(trainer):
@@ -134,7 +140,7 @@ def _enable_trainer(trainer, budget) -> None:
 
         train_.__doc__ = train.__doc__
         trainer.train = train_
-    trainer._gradaccel_budget = budget
+    trainer._gradaccel_budget, trainer._gradaccel_fuse_wgrad = budget, fuse_wgrad
 
 
 def _checkpoint(model: nn.Module, budget, on: bool) -> None:
@@ -158,8 +164,9 @@ def _checkpoint(model: nn.Module, budget, on: bool) -> None:
 class _State:
     """What gradaccel keeps on a patched accelerator: its budget and the optimizers it wrapped."""
 
-    def __init__(self, budget):
-        self.budget = budget
+    def __init__(self, budget, fuse_wgrad=False):
+        self.budget, self.fuse_wgrad = budget, fuse_wgrad
+        self.model = None  # the model prepared with the optimizer (fuse_wgrad routes its layers)
         self.optimizers: list[weakref.ref] = []
         self.deepspeed = False  # True: checkpointing only, the gradient is DeepSpeed's
 
@@ -174,19 +181,22 @@ class _State:
                 agreement.abort(exc)
 
 
-def _patch_accelerator(acc, budget) -> None:
+def _patch_accelerator(acc, budget, fuse_wgrad=False) -> None:
     state = getattr(acc, "_gradaccel", None)
     if state is not None:
         state.budget = budget
         return
     if _hf_ds.active(acc):
+        if fuse_wgrad:
+            raise ValueError("gradaccel.hf.enable: fuse_wgrad=True under DeepSpeed: DeepSpeed makes, reduces and "
+                             "partitions the gradient itself; leave fuse_wgrad off there (DDP or FSDP2 take it)")
         _patch_deepspeed(acc, budget)
         return
     _hf_dist.check(acc)  # FSDP, ...: refused with the route that works
     if getattr(acc, "scaler", None) is not None:
         raise ValueError("gradaccel.hf.enable: mixed_precision='fp16' uses a gradient scaler that reads .grad, "
                          "which gradaccel frees; use bf16")
-    state = acc._gradaccel = _State(budget)
+    state = acc._gradaccel = _State(budget, fuse_wgrad)
     group = _hf_dist.group(acc)  # several processes: the window buffer is summed over them
     _hf_dist.patch_prepare_model(acc)  # ... and accelerate builds no DDP (see gradaccel/integrations/hf_dist.py)
     prepare, prepare_optimizer = acc.prepare, acc.prepare_optimizer
@@ -194,11 +204,11 @@ def _patch_accelerator(acc, budget) -> None:
 
     def prepare_optimizer_(optimizer, device_placement=None):
         if not getattr(optimizer, "_is_accelerate_prepared", False):
-            optimizer = _wrap(optimizer, group)
+            optimizer = _wrap(optimizer, group, state)
             state.optimizers.append(weakref.ref(optimizer))
         elif not isinstance(optimizer.optimizer, FusedAccumOptimizer):
             # Prepared before gradaccel was enabled (a Trainer trained once already): wrap inside.
-            optimizer.optimizer = _wrap(optimizer.optimizer, group)
+            optimizer.optimizer = _wrap(optimizer.optimizer, group, state)
             state.optimizers.append(weakref.ref(optimizer.optimizer))
         return prepare_optimizer(optimizer, device_placement=device_placement)
 
@@ -206,6 +216,7 @@ def _patch_accelerator(acc, budget) -> None:
         for a in args:
             if isinstance(a, nn.Module):
                 _checkpoint(a, state.budget, on=False)
+                state.model = state.model or a  # prepared beside the optimizer: the one fuse_wgrad routes
         out = prepare(*args, device_placement=device_placement)
         models = [m for m in (*args, *acc._models) if isinstance(m, nn.Module)]
         for opt in state.fused():
@@ -256,7 +267,7 @@ def _patch_deepspeed(acc, budget) -> None:
     acc.prepare = prepare_
 
 
-def _wrap(optimizer: torch.optim.Optimizer, group=None) -> FusedAccumOptimizer:
+def _wrap(optimizer: torch.optim.Optimizer, group=None, state: _State | None = None) -> FusedAccumOptimizer:
     if isinstance(optimizer, FusedAccumOptimizer):
         if group is not None and optimizer._sync.process_group() is None:
             raise TypeError("gradaccel.hf: this FusedAccumOptimizer has no process_group while accelerate "
@@ -266,6 +277,12 @@ def _wrap(optimizer: torch.optim.Optimizer, group=None) -> FusedAccumOptimizer:
         raise TypeError("gradaccel.hf: this FusedAccumOptimizer accumulates by itself (accum_steps="
                         f"{optimizer.accum_steps}, normalize={optimizer.normalize!r}) while the framework "
                         "accumulates too; pass the plain optimizer and let gradaccel.hf.enable wrap it")
+    if state is not None and state.fuse_wgrad:
+        if state.model is None:
+            raise ValueError("gradaccel.hf.enable(fuse_wgrad=True): the optimizer was prepared without its model; "
+                             "prepare them together (accelerator.prepare(model, optimizer))")
+        return FusedAccumOptimizer(optimizer, 1, normalize="sum", process_group=group, fuse_wgrad=True,
+                                   module=state.model)
     return FusedAccumOptimizer(optimizer, 1, normalize="sum", process_group=group)
 
 

@@ -80,7 +80,7 @@ def assert_same_training(ref, ours, exact):
             torch.testing.assert_close(q.float(), p.float(), rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def sft(model_dir, tokenizer, texts, out, use_gradaccel, peft_config=None, **kw):
+def sft(model_dir, tokenizer, texts, out, use_gradaccel, peft_config=None, fuse_wgrad=False, **kw):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     args = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=MICRO, gradient_accumulation_steps=A,
@@ -91,9 +91,32 @@ def sft(model_dir, tokenizer, texts, out, use_gradaccel, peft_config=None, **kw)
                              processing_class=tokenizer, peft_config=peft_config)
     if use_gradaccel:
         reset_plans()
-        gradaccel.hf.enable(trainer, budget=0.5)
+        gradaccel.hf.enable(trainer, budget=0.5, fuse_wgrad=fuse_wgrad)
     trainer.train()
     return trainer
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sft_trainer_fuse_wgrad(model_dir, tokenizer, texts, tmp_path, lora):
+    """hf.enable(fuse_wgrad=True): the Linear and Embedding weight gradients of the model the
+    Trainer prepares go straight into the fp32 window; training equals stock's to fp32
+    accumulation order (the window sums each micro-batch's GEMM into fp32, stock adds .grad)."""
+    peft_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") if lora else None
+    # fp32 (SFTConfig would autocast to bf16 on this CPU, where the fused GEMM's dx and stock's
+    # bf16 one round differently: compared with fp64 in tests/accumulate/test_fuse_wgrad.py).
+    kw = dict(peft_config=peft_config, max_grad_norm=0.0, bf16=False)
+    ref = sft(model_dir, tokenizer, texts, tmp_path / "stock", False, **kw)
+    ours = sft(model_dir, tokenizer, texts, tmp_path / "ga", True, fuse_wgrad=True, **kw)
+    assert_engaged(ours)
+    layers = ours.optimizer.optimizer.fused_layers
+    if lora:  # peft's adapters are nn.Linear; the frozen base weights make no gradient to route
+        assert layers and all("lora_" in name for name in layers), layers
+    else:
+        assert any(name.endswith("lm_head") for name in layers) and any("embed_tokens" in n for n in layers), layers
+    la, lb = logged(ref), logged(ours)
+    assert [x[0] for x in lb] == pytest.approx([x[0] for x in la], rel=1e-5)
+    for (name, p), q in zip(ref.model.named_parameters(), ours.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_sft_trainer_default_config(model_dir, tokenizer, texts, tmp_path):
