@@ -12,7 +12,7 @@ from torch import nn
 
 import gradaccel
 from gradaccel.memory import LiveBytes
-from gradaccel.recompute.checkpoint import reset_plans
+from gradaccel.recompute.checkpoint import plan_rows, reset_plans
 from gradaccel.recompute.plan import Plan
 from tests._models import Block, GPTConfig
 
@@ -131,3 +131,5 @@ def test_the_plans_sweep_is_the_replays_measured_peak(budget, monkeypatch):
     assert plan.steps and peak == plan.replay_peak and held == plan.replay_held
     made = sum(plan.graph.storages[s].nbytes for i in plan.steps for s, _ in plan.graph.ops[i].new_storages)
     assert plan.replay_held <= plan.replay_peak < made  # it no longer holds all it makes
+    (row,) = plan_rows()
+    assert row["replay_peak_bytes"] == plan.replay_peak
