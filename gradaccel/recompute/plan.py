@@ -149,8 +149,8 @@ class Plan:
         """Per step of ``steps``: the storages replay lets go of once it has run (their last
         read among ``steps``), all but those of the saved tensors ``packs``, which backward
         holds until autograd unpacks them. A replay that held all it made until it returned
-        would peak at every temporary of the region at once (2.6x torch.utils.checkpoint on a
-        Llama block)."""
+        peaked at every temporary of the region at once: up to 2.2x torch.utils.checkpoint's
+        step peak on a small Llama block with adapters (bench/replay_peak.py)."""
         ops, last, made = self.graph.ops, {}, set()
         for j, op_id in enumerate(steps):
             for x in ops[op_id].leaves:
