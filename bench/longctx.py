@@ -176,10 +176,11 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     for name in VARIANTS:
         pts = sorted(by.get((name, "peak_bytes"), []))
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] / 2**20 for p in pts], "o-", label=name)
-    pts = sorted(by.get(("gradaccel-memory", "predicted_peak"), []))
-    if pts:
-        ax.plot([p[0] for p in pts], [p[1] / 2**20 for p in pts], "x--", color="gray", label="gradaccel-memory predicted")
+            line, = ax.plot([p[0] for p in pts], [p[1] / 2**20 for p in pts], "o-", label=name)
+            predicted = sorted(by.get((name, "predicted_peak"), []))
+            if predicted:
+                ax.plot([p[0] for p in predicted], [p[1] / 2**20 for p in predicted], "x--", color=line.get_color(),
+                        label=f"{name}, predicted")
     ax.set(xscale="log", yscale="log", xlabel="tokens (batch 1)", ylabel="step peak, MiB (LiveBytes)",
            title="small Llama: step peak against context length")
     _length_ticks(plt, ax, sorted({p[0] for v in by.values() for p in v}))
