@@ -1,6 +1,6 @@
 """`python -m bench`: run gradaccel side by side with stock PyTorch and write the results.
 
-    python -m bench [--suite accumulate,checkpoint,offload,train,finetune,distributed,lengths] [--device cpu|cuda]
+    python -m bench [--suite accumulate,checkpoint,offload,train,finetune,distributed,lengths,longctx] [--device cpu|cuda]
                     [--quick|--full|--tiny] [--out DIR] [--threads N] [--results-md PATH]
 
 Writes to DIR (default bench/results/latest): results.json and results.csv (one row per
@@ -40,7 +40,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-SUITES = ("accumulate", "checkpoint", "train", "finetune", "distributed", "fit", "frontier", "chunked_loss", "lengths")  # the default; `--suite offload` runs the raw store hooks too
+SUITES = ("accumulate", "checkpoint", "train", "finetune", "distributed", "fit", "frontier", "chunked_loss", "lengths", "longctx")  # the default; `--suite offload` runs the raw store hooks too
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest"
 
 

@@ -556,7 +556,8 @@ def plan_rows() -> list[dict]:
     already made), and ``not_sized``: why new sizes are traced, "" where they are sized), bytes held against the budget,
     ops kept, replayed and offloaded (``kept_where``/``replayed_where``: the same with the
     submodule that ran each, as ``"mm (mlp.fc1)"``), estimated recompute FLOPs, ``recompute_cost``
-    (what the planner minimises, in its cost model's units: see ``cost``), whether the plan is exact, and
+    (what the planner minimises, in its cost model's units: see ``cost``), ``replay_peak_bytes`` (the
+    most bytes backward's replay of the region makes that are alive at once), whether the plan is exact, and
     ``priced_ops``: the ops with no FLOP formula and how their cost was found (``"measured"``
     in the traced forward, or a conservative ``"bound"``)."""
     rows = []
@@ -582,7 +583,7 @@ def plan_rows() -> list[dict]:
                        offloaded_ops=sorted({_producer_name(graph, s) for s in plan.offloaded}),
                        offloaded_bytes=plan.offloaded_bytes,
                        recompute_flops=plan.recompute_flops, recompute_cost=plan.cost, exact=plan.exact,
-                       fits=plan.fits,
+                       fits=plan.fits, replay_peak_bytes=plan.replay_peak,
                        priced_ops={str(op.func): op.priced for op in graph.ops if op.priced != "formula"},
                        kept_where=sorted({_where(graph, graph.storages[p.storage].creator) for k, p in enumerate(graph.packs)
                                           if plan.keep[k] and graph.storages[p.storage].creator >= 0}),

@@ -6,6 +6,7 @@ each one back in backward. ``TraceFrame`` is the first call of a signature, whic
 the trace; ``OffloadFrame`` adds host memory. See gradaccel/recompute/checkpoint.py for the whole.
 """
 
+import collections
 import weakref
 
 import torch
@@ -152,7 +153,10 @@ class OffloadFrame(Frame):
         self.out_leaves = fallback.out_leaves + plan.out_leaves
         self.store = store
         self.handles: dict = {}  # storage -> store handle
-        self.fetched: dict = {}  # storage -> the storage back on its device (bytes)
+        self.fetched: dict = {}  # storage -> the storage back on its device (bytes), while a pack on it waits
+        # Offloaded storage -> its saved tensors not unpacked yet: once none waits, the fetched copy
+        # goes (backward holds the tensors it unpacked; the handle stays, for a backward that runs again).
+        self.waiting = collections.Counter(p.storage for p in plan.graph.packs if p.storage in plan.offloaded)
         self.fell_back = False
         self.prefetched = False
         weakref.finalize(self, _release, store, self.handles)
@@ -189,17 +193,31 @@ class OffloadFrame(Frame):
             return self.results.pop(x)
         p = self.plan.graph.packs[x]
         if p.storage in self.plan.offloaded:
-            return _view(self._fetch(p.storage), p.size, p.stride, p.offset, p.dtype)
-        if self.results is None or x not in self.results:
-            for sid, src in self.plan.leaf_sources.items():
-                if src.source is Source.OFFLOAD:
-                    self.leaves[sid] = self._fetch(sid)
-        return super().unpack(x)
+            t = _view(self._fetch(p.storage), p.size, p.stride, p.offset, p.dtype)
+            self.waiting[p.storage] -= 1
+            self._let_go(p.storage)
+            return t
+        if self.results is not None and x in self.results:
+            return super().unpack(x)
+        # The replay starts from offloaded storages too: fetched for it, and let go after it.
+        starts = [sid for sid, src in self.plan.leaf_sources.items() if src.source is Source.OFFLOAD]
+        for sid in starts:
+            self.leaves[sid] = self._fetch(sid)
+        try:
+            return super().unpack(x)
+        finally:
+            for sid in starts:
+                del self.leaves[sid]
+                self._let_go(sid)
 
     def _fetch(self, sid: int) -> torch.Tensor:
         if sid not in self.fetched:
             self.fetched[sid] = self.store.fetch(self.handles[sid])
         return self.fetched[sid]
+
+    def _let_go(self, sid: int) -> None:
+        if self.waiting[sid] <= 0:
+            self.fetched.pop(sid, None)
 
 
 def store_for(host_budget):

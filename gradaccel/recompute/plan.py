@@ -141,13 +141,74 @@ class Plan:
                 need.update(graph.ops[op_id].reads)
         return chosen[::-1]
 
+    @functools.cached_property
+    def dropped_packs(self) -> list:
+        """Pack indices a full replay rebuilds: those neither kept nor offloaded."""
+        return [k for k, p in enumerate(self.graph.packs) if not self.keep[k] and p.storage not in self.offloaded]
+
+    def releases(self, steps: list, packs: list) -> list:
+        """Per step of ``steps``: the storages replay lets go of once it has run (their last
+        read among ``steps``), all but those of the saved tensors ``packs``, which backward
+        holds until autograd unpacks them. A replay that held all it made until it returned
+        peaked at every temporary of the region at once: up to 2.2x torch.utils.checkpoint's
+        step peak on a small Llama block with adapters (bench/replay_peak.py)."""
+        ops, last, made = self.graph.ops, {}, set()
+        for j, op_id in enumerate(steps):
+            for x in ops[op_id].leaves:
+                if isinstance(x, Ref) and not x.meta_only:  # a meta-only read gets a stand-in, not the storage
+                    last[x.storage] = j
+            for sid, _ in ops[op_id].new_storages:
+                made.add(sid)
+                last[sid] = j  # made and never read: let go at once
+        needed = {self.graph.packs[k].storage for k in packs}
+        out = [[] for _ in steps]
+        for sid, j in last.items():
+            if sid in made and sid not in needed:
+                out[j].append(sid)
+        return out
+
+    @functools.cached_property
+    def _full_releases(self) -> list:
+        return self.releases(self.steps, self.dropped_packs)
+
+    @functools.cached_property
+    def replay_peak(self) -> int:
+        """The most bytes a full replay holds at once, of the storages it makes (what is kept,
+        the arguments and outputs are held anyway): a sweep over its steps, each counted with
+        its outputs made and the storages it read not yet let go, as
+        gradaccel.memory.LiveBytes counts a real run. Of the storages it makes, those of the
+        dropped saved tensors stay after it returns: their bytes are
+        :attr:`replay_held`."""
+        storages, ops = self.graph.storages, self.graph.ops
+        live = peak = 0
+        for op_id, gone in zip(self.steps, self._full_releases):
+            op = ops[op_id]
+            live += sum(storages[s].nbytes for s, _ in op.new_storages)
+            # Stand-ins for metadata-only reads (dropout's empty_like(x)) live for the op alone.
+            peak = max(peak, live + sum(_extent(x) for x in op.leaves if isinstance(x, Ref) and x.meta_only))
+            live -= sum(storages[s].nbytes for s in gone)
+        return peak
+
+    @functools.cached_property
+    def replay_held(self) -> int:
+        """Bytes of the storages a full replay makes and hands to backward (the dropped saved
+        tensors'), each held until autograd has unpacked every tensor saved on it."""
+        made = {s for op_id in self.steps for s, _ in self.graph.ops[op_id].new_storages}
+        return sum(self.graph.storages[s].nbytes for s in {self.graph.packs[k].storage for k in self.dropped_packs}
+                   if s in made)
+
     # -- replay ------------------------------------------------------------------------------
     def replay(self, leaves: dict, rng_state, packs=None) -> dict:
         """Rebuilds every dropped saved tensor (or only those in ``packs``, pack indices).
         ``leaves`` maps storage ids to tensors held by the forward (kept tensors, arguments,
-        outputs). Returns {pack index: tensor}."""
+        outputs). Returns {pack index: tensor}. A storage it makes lives until its last read
+        in the replay, unless a returned tensor is on it (:meth:`releases`)."""
         graph, env = self.graph, {}
-        steps = self.steps if packs is None else self.steps_for(packs)
+        if packs is None:
+            steps, packs, releases = self.steps, self.dropped_packs, self._full_releases
+        else:
+            steps = self.steps_for(packs)
+            releases = self.releases(steps, packs)
         for sid, src in self.leaf_sources.items():
             if src.source is Source.OBJ:
                 t = src.at()
@@ -157,19 +218,23 @@ class Plan:
                         "before backward; pass it to the region as an argument.")
                 leaves[sid] = t
         with torch.no_grad(), _autocast_off(graph.devices), _rng_restored(rng_state):
-            for op_id in steps:
+            for op_id, gone in zip(steps, releases):
                 op = graph.ops[op_id]
                 args = [self._arg(op_id, i, x, env, leaves) for i, x in enumerate(op.leaves)]
                 a, kw = tree_unflatten(args, op.spec)
+                del args  # the views of its arguments must not outlive the op (nor its outputs, below)
                 if op.autocast:  # an op outside aten: its own aten ops are cast as in the forward
                     with autocast_as(op.autocast):
                         out_leaves = tree_flatten(op.func(*a, **kw))[0]
                 else:
                     out_leaves = tree_flatten(op.func(*a, **kw))[0]
+                del a, kw
                 for sid, i in op.new_storages:
                     env[sid] = out_leaves[i]
-        wanted = range(len(graph.packs)) if packs is None else packs
-        return {k: _view(env[graph.packs[k].storage], *_geometry(graph.packs[k])) for k in wanted
+                del out_leaves
+                for sid in gone:
+                    del env[sid]
+        return {k: _view(env[graph.packs[k].storage], *_geometry(graph.packs[k])) for k in packs
                 if not self.keep[k] and graph.packs[k].storage not in self.offloaded}
 
     def _arg(self, op_id, i, x, env, leaves):
@@ -180,6 +245,13 @@ class Plan:
             return torch.empty_strided(x.size, x.stride, dtype=x.dtype, device=x.device)
         base = env[x.storage] if where is Read.REPLAY else leaves[x.storage]
         return _view(base, x.size, x.stride, x.offset, x.dtype)
+
+
+def _extent(x: Ref) -> int:
+    """Bytes of ``torch.empty_strided(x.size, x.stride, dtype=x.dtype)``."""
+    if any(n == 0 for n in x.size):
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(x.size, x.stride))) * x.dtype.itemsize
 
 
 def _geometry(p) -> tuple:

@@ -8,6 +8,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from gradaccel.recompute.frames import Frame, OffloadFrame, Saved, TraceFrame
 from gradaccel.recompute.plan import make_plan
+from gradaccel.recompute.roles import Source
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.trace import Graph
 from gradaccel.recompute.checkpoint import reset_plans
@@ -99,6 +100,23 @@ def test_a_kept_tensor_modified_in_place_is_refused_at_unpack():
     t.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         saved.unpack()
+
+
+@pytest.mark.parametrize("copy_cost", [1e-9, 16.0], ids=["all-offloaded", "replay-reads-offloaded"])
+def test_an_offload_frame_lets_go_of_what_it_fetched_once_unpacked(copy_cost):
+    plan = make_plan(traced()[0].graph, 0, offload_cost_per_byte=copy_cost)
+    replay_reads_it = any(src.source is Source.OFFLOAD for src in plan.leaf_sources.values())
+    assert plan.offloaded and bool(plan.steps) == replay_reads_it == (copy_cost > 1)
+    store, args = ActivationStore(), inputs()
+    frame = OffloadFrame(plan, args, None, store)
+    out, packed = run(frame, args)
+    assert frame.finish(out)
+    for _ in range(2):  # a backward that runs again (retain_graph) fetches again: the handles stay
+        for x, original in reversed(packed):
+            assert torch.equal(frame.unpack(x), original)
+        # Backward holds what it unpacked; the frame holds no fetched copy for it any more.
+        assert frame.fetched == {} and not set(frame.leaves) & plan.offloaded
+    assert store.stats()["handles"] == len(plan.offloaded)
 
 
 def test_an_offload_frame_sends_storages_to_the_store_and_brings_them_back():
