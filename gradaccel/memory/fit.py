@@ -456,7 +456,10 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
         checkpoint's own planner chooses, per block, what goes to host memory where copying
         beats recomputing) when it is faster within the same memory, with its device peak
         and, in ``host``, its host bytes. Its device peak is measured as the others are, on
-        fake tensors with a store that keeps host copies off the device.
+        fake tensors with a store that keeps host copies off the device. Where only a plan with
+        offload fits, that plan is the answer itself (``offload`` True, ``fits`` True; what
+        ``apply()`` installs). Where nothing fits, ``suggestions`` give the least plan with
+        offload (its device peak and host bytes, and by how much it is short).
     """
     planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn)
     return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)

@@ -111,7 +111,7 @@ def test_max_seq_is_the_longest_that_fits(tmp_path, capsys):
                  "--max-seq", "--granule", "64"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"longest sequence that fits in 24.00 MiB: {best.seq} tokens")
-    assert f"step time {best.time:.2f}x" in out[0] and "host" in out[0]
+    assert "step time" in out[0] and "host" in out[0]  # copy speed is measured per process: time varies
     assert out[1].startswith(f"micro-batch 1 x 1 accumulation steps, sequence {best.seq}")
     assert out[2].startswith("blocks: 0")
 
