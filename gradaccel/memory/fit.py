@@ -17,14 +17,14 @@ slack (rounding, fragmentation, the CUDA context) is not measured: ``slack`` res
 A Hugging Face causal LM's loss may be computed in chunks (``Fit.chunked_loss``, the head mode
 of gradaccel/memory/target.py) where its logits would set the peak. Any module whose blocks
 ``checkpoint_blocks`` finds can be fitted with ``make_batch`` and ``loss_fn``. Plans with
-``offload=True`` (host memory for what the budget leaves out) are
-predicted the same way and proposed in ``Fit.options`` where they are faster or fit alone.
+``offload=True`` (host memory for what the budget leaves out) are predicted the same way:
+proposed in ``Fit.options`` where they are faster, and the answer itself where only they fit.
+The longest sequence that fits is gradaccel/memory/longest.py's (``max_seq``); the command line
+is gradaccel/memory/fit_cli.py's.
 """
 
-import argparse
 import dataclasses
 import functools
-import json
 
 import torch
 import torch.nn as nn
@@ -35,7 +35,7 @@ from gradaccel.memory.counter import check_count, format_bytes, parse_bytes
 from gradaccel.memory.fixed_parts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
                                           load_config, static_parts)
 from gradaccel.memory.presets import PRESETS
-from gradaccel.memory.profile import PARTS, TILES, Profile, find_blocks
+from gradaccel.memory.profile import KEEP_ALL, PARTS, TILES, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute
 from gradaccel.memory.target import set_plans
 from gradaccel.recompute import blocks as blocks_mod
@@ -69,6 +69,7 @@ class Fit:
     offload: bool = False  # the blocks run gradaccel.checkpoint(..., offload=True)
     chunked_loss: bool = False  # the LM loss in chunks, no logits held for backward (gradaccel/memory/target.py)
     options: list = dataclasses.field(default_factory=list)  # other plans worth knowing (Fit each)
+    longer: tuple | None = None  # max_seq: (the first length found not to fit, its least predicted peak)
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
         """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
@@ -104,12 +105,12 @@ class Fit:
 
     def table(self) -> str:
         """The plan and its breakdown, as a readable table."""
+        host = sum(self.host.values())
         lines = [f"micro-batch {self.micro_batch} x {self.accum_steps} accumulation steps, sequence {self.seq}"
                  + (", loss in chunks (no logits held for backward)" if self.chunked_loss else "")
+                 + (f", offload=True ({format_bytes(host)} on host)" if self.offload else "")
                  + ("" if self.fits else "  (DOES NOT FIT)"),
-                 *([f"{n} of {len(self.budgets)} blocks run as their parts (attention, MLP, norms: each "
-                    "its own checkpoint)" + (", MLPs a quarter of the tokens at a time" if TILES in self.budgets else "")]
-                   if (n := sum(b in (PARTS, TILES) for b in self.budgets)) else []),
+                 f"blocks: {self.modes()}",
                  f"blocks keep {format_bytes(self.kept)} beyond their inputs; recompute "
                  f"{self.recompute_flops / 1e12:.2f} TFLOP per micro-batch; step time "
                  f"{self.time:.2f}x of no checkpointing (planner's cost model)",
@@ -127,6 +128,24 @@ class Fit:
         for o in self.options:
             lines.append(f"option: {o.summary()}")
         return "\n".join(lines)
+
+    def modes(self) -> str:
+        """Each block's plan, runs of equal plans together: "0-13: budget 1.00 KiB; 14-31: parts"."""
+        def name(b):
+            if b in (PARTS, TILES):
+                return {PARTS: "parts", TILES: "parts, MLP in tiles"}[b]
+            if b is None or b == KEEP_ALL:
+                return "no checkpoint"
+            kind, b = b if isinstance(b, tuple) else ("", b)
+            return ("offload, " if kind == "offload" or self.offload else "") + (
+                "keep nothing" if b <= 1 else f"keep up to {format_bytes(b)}")
+        runs = []
+        for i, b in enumerate(self.budgets):
+            if runs and runs[-1][2] == name(b):
+                runs[-1][1] = i
+            else:
+                runs.append([i, i, name(b)])
+        return "; ".join((f"{a}" if a == z else f"{a}-{z}") + f": {n}" for a, z, n in runs)
 
     def summary(self) -> str:
         """One line: micro-batch, offload, predicted device peak, host bytes and step time."""
@@ -163,8 +182,9 @@ class Planner:
             full = config.num_hidden_layers
             period = _period(config)
             depth = min(full, 2 * period)
-            self.model = fake_model(config, dtype, lora=lora)
-            self.profiled = self.model if depth == full else fake_model(config, dtype, layers=depth, lora=lora)
+            self.model = fake_model(config, dtype, lora=lora, load_in_4bit=load_in_4bit)
+            self.profiled = self.model if depth == full else \
+                fake_model(config, dtype, layers=depth, lora=lora, load_in_4bit=load_in_4bit)
             self.layout = [i if i < period else period + (i - period) % period for i in range(full)]
             if load_in_4bit and not lora:
                 raise ValueError("load_in_4bit needs lora: 4-bit weights are frozen, only adapters train")
@@ -272,21 +292,24 @@ class Planner:
                     best.options.append(off)
             best._planner = self
             return best
-        # Nothing fits: the least this step can take, with and without offload, and what would fit.
-        worst, offload = (min((_least(setup, seq, batch, off, chunked) for chunked in {False, bool(setup.head_flops)}),
-                              key=lambda r: r.peak) for off in (False, True))
-        worst.memory, worst.slack, worst.fits = memory, slack, False
-        worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
+        # Nothing fits without offload. Where a plan with offload fits, it is the answer (what
+        # apply() installs); otherwise the least this step can take, and what would fit.
         fitting = []
-        for mb in sorted(sizes):  # offload may fit where nothing else does
+        for mb in sorted(sizes):
             r = _best_for(setup, seq, mb, batch, usable, offload=True)
             if r is None:
                 break
             fitting.append(r)
+        worst, offload = (min((_least(setup, seq, batch, off, chunked) for chunked in {False, bool(setup.head_flops)}),
+                              key=lambda r: r.peak) for off in (False, True))
+        if not fitting and offload.offload and offload.peak <= usable:
+            fitting = [offload]  # the split's estimate missed it; the least-peak plan fits exactly
         if fitting:
             off = min(fitting, key=lambda r: r.step_cost)
-            off.memory, off.slack = memory, slack
-            worst.options.append(off)
+            off.memory, off.slack, off._planner = memory, slack, self
+            return off
+        worst.memory, worst.slack, worst.fits = memory, slack, False
+        worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
         return worst
 
 
@@ -433,29 +456,10 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
         checkpoint's own planner chooses, per block, what goes to host memory where copying
         beats recomputing) when it is faster within the same memory, with its device peak
         and, in ``host``, its host bytes. Its device peak is measured as the others are, on
-        fake tensors with a store that keeps host copies off the device.
+        fake tensors with a store that keeps host copies off the device. Where only a plan with
+        offload fits, that plan is the answer itself (``offload`` True, ``fits`` True; what
+        ``apply()`` installs). Where nothing fits, ``suggestions`` give the least plan with
+        offload (its device peak and host bytes, and by how much it is short).
     """
     planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn)
     return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)
-
-
-# -- command line ---------------------------------------------------------------------------------
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gradaccel.fit", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help=f"a config.json (or its folder) or a preset: {', '.join(PRESETS)}")
-    ap.add_argument("--seq", type=int, required=True)
-    ap.add_argument("--batch", type=int, required=True, help="sequences per optimizer step")
-    ap.add_argument("--memory", required=True, help="device memory, e.g. 24GiB")
-    ap.add_argument("--lora", type=int, default=None, help="LoRA rank on every linear layer of the blocks")
-    ap.add_argument("--load-in-4bit", action="store_true")
-    ap.add_argument("--optim", choices=OPTIMS, default="adamw")
-    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    ap.add_argument("--master-weights", action="store_true")
-    ap.add_argument("--slack", default=None, help="bytes left to the allocator (default 5%% + 512MiB)")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
-    result = fit(a.model, a.seq, a.batch, a.memory, optim=a.optim, lora=a.lora, load_in_4bit=a.load_in_4bit,
-                 dtype=getattr(torch, a.dtype), master_weights=a.master_weights, slack=a.slack)
-    print(json.dumps(result.to_dict(), indent=1, default=str) if a.json else result.table())
-    return 0 if result.fits else 1
-

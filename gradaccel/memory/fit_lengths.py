@@ -95,7 +95,9 @@ class FittedLengths:
             fronts = planner.fronts(prof)
             points = least_recompute(prof, fronts, room, layout=planner.layout) if room > 0 else None
         if points is None:
-            warnings.warn(f"gradaccel.fit: at length {length} no plan fits the target of {fit.memory} bytes; the "
-                          "least-peak plan is used", UserWarning, stacklevel=4)
             points = least_peak(prof, fronts, planner.layout)
+            least = planner.predict(prof, points)["peak"] + planner.static.total + fit.slack
+            warnings.warn(f"gradaccel.fit: at length {length} no plan fits the target of {fit.memory} bytes; the "
+                          f"least-peak plan is used ({least} bytes predicted, slack included; short by "
+                          f"{least - fit.memory} bytes)", UserWarning, stacklevel=4)
         return [p.budget for p in points]

@@ -10,6 +10,7 @@ import inspect
 import json
 import math
 import os
+import re
 import warnings
 from unittest import mock
 
@@ -22,7 +23,8 @@ from gradaccel.memory.profile import fake_mode, find_blocks
 from gradaccel.memory.counter import LiveBytes, format_bytes, optimizer_state_bytes, storage_bytes
 
 OPTIMS = ("adamw", "adamw8bit", "paged_adamw8bit", "sgd")
-_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# peft's "all-linear" on these families: Llama, Mistral, Qwen2.5, Gemma 2 (separate projections) and Phi-3 (fused).
+_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj"]
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -38,7 +40,8 @@ def hf_step(model, batch):
 
 def load_config(spec):
     """A transformers config from a preset name (``PRESETS``), a config.json path (or its
-    folder), or a config object (returned as is)."""
+    folder), a Hugging Face hub id such as ``"Qwen/Qwen2.5-7B"`` (its config.json only, fetched
+    through huggingface_hub and cached as it caches), or a config object (returned as is)."""
     from transformers import AutoConfig
 
     if not isinstance(spec, (str, os.PathLike)):
@@ -46,17 +49,58 @@ def load_config(spec):
     if str(spec) in PRESETS:
         fields = dict(PRESETS[str(spec)])
     else:
-        path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+        path = os.path.join(spec, "config.json") if os.path.isdir(spec) else str(spec)
         if not os.path.isfile(path):
-            raise ValueError(f"model must be a preset ({', '.join(PRESETS)}) or a config.json path, got {spec!r}")
+            if not _HUB_ID.fullmatch(str(spec)):
+                raise ValueError(f"model must be a preset ({', '.join(PRESETS)}), a config.json path or a "
+                                 f"Hugging Face hub id (owner/name), got {spec!r}")
+            path = _hub_config(str(spec))
         with open(path) as f:
             fields = json.load(f)
     return AutoConfig.for_model(**fields)
 
 
-def fake_model(config, dtype=torch.bfloat16, layers=None, lora=None):
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _hub_config(repo_id: str) -> str:
+    """The local path of ``repo_id``'s config.json from the hub (or huggingface_hub's cache)."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError as e:
+        raise ValueError(f"model {repo_id!r} is not a preset or a file, and huggingface_hub is not installed "
+                         "to fetch its config.json") from e
+    # Offline, huggingface_hub retries for half a minute before it looks in its cache: ask the
+    # cache alone where the hub does not answer at once.
+    local = bool(os.environ.get("HF_HUB_OFFLINE")) or not _reachable(
+        os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        return hf_hub_download(repo_id, "config.json", local_files_only=local)
+    except Exception as e:  # noqa: BLE001 (offline, unknown repo, gated model: one answer, its reason)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = "the Hugging Face hub is not reachable and it is not in the local cache" if local else \
+            f"{type(e).__name__}: {reason}"
+        raise ValueError(f"model {repo_id!r}: could not fetch its config.json ({where}); give a preset or a "
+                         "config.json path") from None
+
+
+def _reachable(url: str, timeout: float = 3.0) -> bool:
+    """Whether ``url``'s host accepts a connection within ``timeout`` seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    try:
+        socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def fake_model(config, dtype=torch.bfloat16, layers=None, lora=None, load_in_4bit=False):
     """The causal LM of ``config`` on fake tensors (nothing allocated), ``layers`` blocks deep
-    if given, with LoRA adapters of rank ``lora`` on every linear layer of the blocks."""
+    if given, with LoRA adapters of rank ``lora`` on every linear layer of the blocks (as peft
+    runs them over 4-bit layers where ``load_in_4bit``)."""
     from transformers import AutoModelForCausalLM
 
     config = config.__class__.from_dict(config.to_dict())
@@ -75,27 +119,52 @@ def fake_model(config, dtype=torch.bfloat16, layers=None, lora=None):
                 for name, m in list(block.named_modules()):
                     for child, sub in list(m.named_children()):
                         if isinstance(sub, nn.Linear) and child in _LORA_TARGETS:
-                            setattr(m, child, LoRALinear(sub, lora))
+                            setattr(m, child, LoRALinear(sub, lora, quantized=load_in_4bit))
             model.enable_input_require_grads()  # as checkpoint_blocks does for a model with adapters
     return model
 
 
 class LoRALinear(nn.Module):
-    """A frozen linear layer plus a rank-``r`` adapter, computed as peft's LoRA ``Linear`` does
-    by default (adapters in fp32, the input cast to fp32 for them, no dropout), so that a model
-    built here holds the activations a peft model holds. (peft itself cannot be applied to
-    fake tensors: moving its adapters swaps tensors.)"""
+    """A frozen linear layer plus a rank-``r`` adapter, computed op for op as peft 0.21's LoRA
+    layers compute it (adapters in fp32, as ``get_peft_model`` leaves them; no dropout), so that
+    a model built here makes the tensors a peft model makes, at the same dtypes (peft itself
+    cannot be applied to fake tensors: moving its adapters swaps tensors). Measured against real
+    peft layers, with and without bf16 autocast, in tests/memory/test_lora_bytes.py:
 
-    def __init__(self, base: nn.Linear, r: int):
+    - over ``nn.Linear`` (``lora.Linear``): the input cast to the adapters' fp32, and the sum
+      made in fp32 at the full output width, ``(base(x) + B(A(x.float())) * s).to(bf16)``;
+    - over bitsandbytes ``Linear4bit`` (``quantized``, ``lora.bnb.Linear4bit``): the base's
+      output cloned, the adapter's output cast back before the sum,
+      ``base(x).clone() + (B(A(x.float())) * s).to(bf16)``. peft skips the casts where
+      ``torch.is_autocast_enabled()`` (CUDA autocast), and so does this layer.
+    """
+
+    def __init__(self, base: nn.Linear, r: int, quantized: bool = False):
         super().__init__()
         self.base_layer = base
         self.lora_A = nn.Linear(base.in_features, r, bias=False, dtype=torch.float32)
         self.lora_B = nn.Linear(r, base.out_features, bias=False, dtype=torch.float32)
         self.scaling = 2.0
+        self.quantized = quantized
 
     def forward(self, x):
+        # Written as peft writes it, local names included: the cast input ``x`` stays alive until
+        # the layer returns, which sets the forward's peak where nothing is saved (a checkpoint).
         result = self.base_layer(x)
-        return (result + self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling).to(result.dtype)
+        if self.quantized:
+            result = result.clone()  # peft: "for 4bit, we need to defensively clone here"
+            convert = not torch.is_autocast_enabled()
+            if convert:
+                expected = result.dtype
+                x = x.to(self.lora_A.weight.dtype)
+            output = self.lora_B(self.lora_A(x)) * self.scaling
+            if convert:
+                output = output.to(expected)
+            return result + output
+        expected = result.dtype
+        x = x.to(self.lora_A.weight.dtype)
+        result = result + self.lora_B(self.lora_A(x)) * self.scaling
+        return result.to(expected)
 
 
 def _period(config) -> int:
@@ -286,7 +355,7 @@ def _suggest(setup, worst, usable, lora, load_in_4bit, offload=None) -> list:
         # so it lowers the floor only by what the recompute's working set exceeds it.
         host = sum(offload.host.values())
         what = (f"offload (checkpoint(..., offload=True)): device peak {format_bytes(offload.peak)} at micro-batch 1 "
-                f"(keeping nothing: {format_bytes(worst.peak)}), {format_bytes(host)} on host")
-        lines.append(what + (" (see options)" if offload.peak <= usable else
-                             f" (short by {format_bytes(offload.peak - usable)})"))
+                f"(least without offload: {format_bytes(worst.peak)}), {format_bytes(host)} on host")
+        # Where it fits, the fit returns that plan itself: here it is short.
+        lines.append(what + f" (short by {format_bytes(offload.peak - usable)})")
     return lines

@@ -267,7 +267,8 @@ class MemoryTarget:
             return self._choose(module, args, kwargs, predict=False)
         if not fitting and peak > self.memory:
             warnings.warn(f"gradaccel.checkpoint_blocks: memory={self.memory} bytes is below the least this step can "
-                          f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors); using that plan. "
+                          f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors; short by "
+                          f"{peak - self.memory} bytes) at input shape {_key(args, kwargs)}; using that plan. "
                           "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
         settings = [_setting(p, prof.kind_of[i], PARTS, TILES) for i, p in enumerate(points)]
         used = {s for s in settings if s in (PARTS, TILES)}

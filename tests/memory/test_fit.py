@@ -13,7 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import gradaccel  # noqa: E402
-from gradaccel.memory.fit import Planner, fit, hf_step, main  # noqa: E402
+from gradaccel.memory.fit import Planner, fit, hf_step  # noqa: E402
+from gradaccel.memory.fit_cli import main  # noqa: E402
 from gradaccel.memory.counter import LiveBytes, measured_peak, parse_bytes  # noqa: E402
 from _models import PlainBlock  # noqa: E402
 
@@ -179,7 +180,7 @@ def test_nothing_fits_says_what_would(monkeypatch):
     assert not result.fits and result.suggestions and not result.options
     assert "DOES NOT FIT" in result.table()
     # Where the recompute's working set outweighs what offload brings back, an offload plan fits
-    # below the floor of keeping nothing: it is the option. (Copy cost pinned, as measured here.)
+    # below the floor of keeping nothing: it is the answer. (Copy cost pinned, as measured here.)
     cost = lambda device, model="flops": 40.0  # noqa: E731
     monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "offload_cost_per_byte", cost)
     monkeypatch.setattr(gradaccel.memory.profile, "offload_cost_per_byte", cost)
@@ -190,9 +191,10 @@ def test_nothing_fits_says_what_would(monkeypatch):
     floor, offload = least.peak, planner.estimate(192, 1, 1, offload=True).peak
     assert offload < floor
     result = planner.fit(192, 1, (floor + offload) // 2, slack=0)
-    assert not result.fits and result.options and result.options[0].offload
-    assert result.options[0].peak <= (floor + offload) // 2
-    assert any(s.startswith("offload") and s.endswith("(see options)") for s in result.suggestions)
+    # Only a plan with offload fits: it is the answer (what apply() installs), not an aside.
+    assert result.fits and result.offload and result.peak <= (floor + offload) // 2
+    assert not result.suggestions and not result.options
+    assert result.table().splitlines()[0].endswith("on host)")
 
 
 def test_least_recompute_is_the_least_recompute_that_fits():

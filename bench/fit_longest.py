@@ -1,0 +1,76 @@
+"""The longest context gradaccel.fit predicts a card allows (docs/fit.md's table).
+
+    python -m bench.fit_longest [--case qlora-8b,full-1b] [--memory 24GiB,48GiB,80GiB] [--at 65536:24GiB]
+
+Cases (batch 1, bf16 weights, gradaccel.fit.max_seq to 1024 tokens):
+
+- ``qlora-8b``: llama-3-8b, LoRA r16 on every linear layer of the blocks over nf4 weights,
+  paged 8-bit AdamW (bitsandbytes);
+- ``full-1b``: llama-3.2-1b, full fine-tune, torch's fused AdamW.
+
+Per case and memory: the longest sequence, its plan's device peak, host bytes, modelled step
+time and blocks' modes, and what the peak is made of. ``--at LENGTH:MEMORY`` also prints the
+fit at a given length (what dominates the peak where it does not fit). Predictions on fake
+tensors, nothing measured: no stock baseline to run beside them.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+from gradaccel.memory.counter import format_bytes, parse_bytes
+from gradaccel.memory.fit import Planner
+from gradaccel.memory.longest import longest
+
+CASES = {
+    "qlora-8b": dict(model="llama-3-8b", optim="paged_adamw8bit", lora=16, load_in_4bit=True),
+    "full-1b": dict(model="llama-3.2-1b", optim="adamw"),
+}
+
+
+def _row(case, memory, r, seconds):
+    host = sum(r.host.values())
+    top = sorted(r.parts.items(), key=lambda kv: -kv[1])[:3]
+    return {"case": case, "memory": memory, "seq": r.seq if r.fits else 0, "fits": r.fits,
+            "peak": r.peak, "slack": r.slack, "host": host, "time": round(r.time, 3), "offload": r.offload,
+            "chunked_loss": r.chunked_loss, "modes": r.modes(), "phase": r.phase,
+            "top_parts": [(k, v) for k, v in top], "longer": r.longer, "seconds": round(seconds, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.fit_longest", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", default=",".join(CASES))
+    ap.add_argument("--memory", default="24GiB,48GiB,80GiB")
+    ap.add_argument("--at", default="", help="LENGTH:MEMORY,... fits to print at given lengths (first case)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    a = ap.parse_args(argv)
+    rows = []
+    for case in a.case.split(","):
+        spec = dict(CASES[case])
+        planner = Planner(spec.pop("model"), **spec)
+        for mem in a.memory.split(","):
+            t0 = time.perf_counter()
+            r = longest(planner, mem)
+            rows.append(_row(case, mem, r, time.perf_counter() - t0))
+            print(json.dumps(rows[-1], default=str), flush=True)
+            print(r.table(), flush=True)
+        for probe in filter(None, a.at.split(",")):
+            length, mem = probe.split(":")
+            r = planner.fit(int(length), 1, parse_bytes(mem))
+            print(f"== {case} at {length} tokens in {mem}: {'fits' if r.fits else 'does not fit'}", flush=True)
+            print(r.table(), flush=True)
+        a.at = ""  # the probes are for the first case
+    print("\n| case | memory | longest sequence | device peak (+ slack) | host | step time | blocks |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for x in rows:
+        print(f"| {x['case']} | {x['memory']} | {x['seq']:,} | {format_bytes(x['peak'])} (+ {format_bytes(x['slack'])}) "
+              f"| {format_bytes(x['host'])} | {x['time']:.2f}x | {x['modes']} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The longest sequence a memory target allows: ``gradaccel.fit.max_seq`` and
+``python -m gradaccel.fit --max-seq``.
+
+A step's least peak grows with the sequence (linearly where attention's kernel is O(T) in
+memory, faster where it is not), so the longest length that fits is searched on it: doubling
+until a length does not fit, then regula falsi on the least peaks of the two ends (rounded to
+``granule`` tokens, with bisection where an end stays put), a few fake-tensor profiles in all.
+The answer is :func:`gradaccel.memory.fit.fit` at that length: the fastest plan that fits
+there, with offload where only a plan with offload fits.
+"""
+
+import torch
+
+from gradaccel.memory.counter import check_count, parse_bytes
+
+__all__ = ["max_seq", "longest"]
+
+
+def _least_peak(planner, seq: int, batch: int) -> int:
+    """The least predicted peak of a step of ``seq`` tokens: micro-batch 1, any plan, with or
+    without offload, with the model's loss or in chunks (what :meth:`Planner.fit` falls back to)."""
+    from gradaccel.memory.fit import _least
+
+    heads = {False, bool(planner.head_flops)}
+    return min(_least(planner, seq, batch, off, head).peak for off in (False, True) for head in heads)
+
+
+def longest(planner, memory, batch: int = 1, slack=None, granule: int = 1024, limit: int = 1 << 22):
+    """See :func:`max_seq`; ``planner``: a :class:`gradaccel.memory.fit.Planner`."""
+    memory = parse_bytes(memory, "memory")
+    check_count(batch, "batch"), check_count(granule, "granule"), check_count(limit, "limit")
+    slack = (memory // 20 + (512 << 20) if memory > (4 << 30) else memory // 20) if slack is None else \
+        parse_bytes(slack, "slack")
+    usable = memory - slack
+    peaks = {}  # length -> least peak
+
+    def peak(t):
+        if t not in peaks:
+            peaks[t] = _least_peak(planner, t, batch)
+        return peaks[t]
+
+    lo, hi = 0, None  # lo fits (0: none known), hi does not
+    t = min(8 * granule, limit - limit % granule) or granule
+    top = max(granule, limit - limit % granule)
+    while hi is None:  # bracket: at least doubling, further where the last two peaks point further
+        if peak(t) > usable:
+            hi = t
+        elif t >= top:
+            break
+        else:
+            nxt = 2 * t
+            if lo:  # the line through the last two peaks, a tenth past where it meets the target
+                slope = (peaks[t] - peaks[lo]) / (t - lo)
+                if slope > 0:
+                    nxt = max(nxt, min(16 * t, int(1.1 * (t + (usable - peaks[t]) / slope))))
+            lo, t = t, min(-(-nxt // granule) * granule, top)
+    last, same = None, 0  # the end that moved last, and how many times in a row
+    while hi is not None and hi - lo > granule:
+        if lo == 0 or same >= 2:  # bisection where regula falsi keeps moving one end
+            t, same = (lo + hi) // 2, 0
+        else:  # regula falsi on the least peaks of the two ends
+            t = lo + (usable - peaks[lo]) * (hi - lo) / max(1, peaks[hi] - peaks[lo])
+        t = min(max(int(t) // granule * granule, lo + granule), hi - granule)
+        side = peak(t) <= usable
+        same = same + 1 if side == last else 1
+        last = side
+        if side:
+            lo = t
+        else:
+            hi = t
+    # The least peak is an estimate per plan; the fit checks its plan exactly. Step down where
+    # the exact check disagrees (a granule at a time; rarely more than once).
+    best = planner.fit(max(lo, granule), batch, memory, slack=slack)
+    while not best.fits and lo > granule:
+        lo -= granule
+        best = planner.fit(lo, batch, memory, slack=slack)
+    best.longer = None if hi is None else (hi, peaks[hi] if hi in peaks else peak(hi))
+    return best
+
+
+def max_seq(model, memory, *, batch: int = 1, optim="adamw", lora=None, load_in_4bit=False,
+            dtype=torch.bfloat16, master_weights=False, slack=None, granule: int = 1024, limit: int = 1 << 22,
+            make_batch=None, loss_fn=None):
+    """The longest sequence that trains in ``memory``, and the plan for it.
+
+    Args:
+        model, memory, optim, lora, load_in_4bit, dtype, master_weights, slack, make_batch,
+            loss_fn: as for :func:`gradaccel.memory.fit.fit`.
+        batch: sequences per optimizer step (micro-batches tried as :func:`fit` does).
+        granule: the answer is a multiple of this many tokens.
+        limit: the longest length tried.
+
+    Returns:
+        Fit: :func:`fit`'s answer at the longest multiple of ``granule`` whose predicted peak fits
+        (``seq``); ``fits`` False if not even ``granule`` tokens fit. Its ``longer`` is
+        ``(length, least predicted peak)`` of the first length found not to fit (None if
+        ``limit`` fits).
+    """
+    from gradaccel.memory.fit import Planner
+
+    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn)
+    return longest(planner, memory, batch, slack, granule, limit)
