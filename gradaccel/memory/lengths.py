@@ -306,8 +306,7 @@ class LengthProfile:
 def _keeping(kind: Kind, keep: tuple) -> Point:
     """``kind``'s plan keeping ``keep``, as a Point keyed by the keep set."""
     plan = plan_keeping(kind, keep)
-    replay = sum(kind.graph.storages[s].nbytes for i in plan.steps for s, _ in kind.graph.ops[i].new_storages)
-    return Point(("keep", keep), plan.kept_bytes, plan.cost, plan.recompute_flops, replay, plan)
+    return Point(("keep", keep), plan.kept_bytes, plan.cost, plan.recompute_flops, plan.replay_peak, plan)
 
 
 class _Predicted(Profile):

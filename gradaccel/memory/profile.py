@@ -101,7 +101,7 @@ class Point:
     kept: int
     cost: float
     flops: int
-    replay_bytes: int  # what replay holds at once: every storage the replayed ops create
+    replay_bytes: int  # what replay holds at once (Plan.replay_peak: it lets go of each storage after its last read)
     plan: object
     host: int = 0  # bytes sent to host memory (checkpoint(..., offload=True)); not in ``kept``
 
@@ -137,8 +137,7 @@ class Kind:
     def plan_at(self, budget: int) -> Point:
         """The plan ``gradaccel.checkpoint`` makes at ``budget`` bytes (its own planning code)."""
         plan = _Region("profile", self.graph, budget, [], planner=self.planner).plan
-        replay = sum(self.graph.storages[s].nbytes for i in plan.steps for s, _ in self.graph.ops[i].new_storages)
-        return Point(budget, plan.kept_bytes, plan.cost, plan.recompute_flops, replay, plan)
+        return Point(budget, plan.kept_bytes, plan.cost, plan.recompute_flops, plan.replay_peak, plan)
 
     def offload_at(self, budget: int) -> Point:
         """The plan ``gradaccel.checkpoint(..., offload=True)`` makes at ``budget`` bytes: what the
@@ -148,10 +147,8 @@ class Kind:
         plan = _Region("profile", self.graph, budget, [], store=_FAKE_STORE).plan
         if not plan.offloaded:
             return self.plan_at(budget)
-        steps = set(plan.steps)
-        replay = sum(self.graph.storages[s].nbytes for i in steps for s, _ in self.graph.ops[i].new_storages)
         copy = offload_cost_per_byte(copy_device(self.graph), self.graph.cost) * plan.offloaded_bytes
-        return Point(budget, plan.kept_bytes, plan.cost + copy, plan.recompute_flops, replay, plan,
+        return Point(budget, plan.kept_bytes, plan.cost + copy, plan.recompute_flops, plan.replay_peak, plan,
                      host=plan.offloaded_bytes)
 
     @functools.cached_property
