@@ -84,3 +84,24 @@ def run_scenarios(module_name, out, timeout_s):
     missing = [r for r, f in enumerate(files) if not f.exists()]
     assert not missing, f"ranks {missing} did not get as far as running the scenarios"
     return [json.loads(f.read_text()) for f in files]
+
+
+def torchrun(script, out_dir, timeout_s: int, **env) -> list[dict]:
+    """Runs ``script`` (whose ranks write ``rank<r>.json`` into ``out_dir``) under ``torchrun
+    --nproc_per_node 2``, as a user launches a Trainer; returns each rank's results. A run that
+    outlasts ``timeout_s`` (a hung collective) fails the test rather than stalling CI."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
+           str(script), str(out_dir)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"torchrun did not finish within {timeout_s} s:\n{(exc.stderr or '')[-3000:]}")
+    files = [Path(out_dir) / f"rank{r}.json" for r in range(WORLD)]
+    assert all(f.exists() for f in files), f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return [json.loads(f.read_text()) for f in files]

@@ -4,10 +4,6 @@ tests/integrations/hf_ddp_ranks.py, runs every scenario in one launch against st
 accelerate loop); here each scenario's result is read per rank. Plus the set-ups that are refused,
 each naming the route that works (one process, no launch)."""
 
-import json
-import os
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -22,6 +18,8 @@ accelerate = pytest.importorskip("accelerate")
 from gradaccel.integrations import hf  # noqa: E402  (private parts too)
 from gradaccel.integrations import hf_dist as _hf_dist  # noqa: E402
 
+from _dist import torchrun  # noqa: E402
+
 HERE = Path(__file__).parent
 SCENARIOS = ["full", "lora", "qlora", "resume", "nonfinite", "accelerate", "diverge_accumulation",
              "diverge_raise", "diverge_timeout"]
@@ -30,18 +28,7 @@ TIMEOUT_S = 240  # the launch; the scenarios take ~60 s on 2 busy cores (one wai
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_ddp")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "hf_ddp_ranks.py"), str(out)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:  # a hung collective fails the test, never stalls CI
-        pytest.fail(f"torchrun did not finish within {TIMEOUT_S} s:\n{(exc.stderr or '')[-3000:]}")
-    files = [out / f"rank{r}.json" for r in range(2)]
-    assert all(f.exists() for f in files), f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return [json.loads(f.read_text()) for f in files]
+    return torchrun(HERE / "hf_ddp_ranks.py", tmp_path_factory.mktemp("hf_ddp"), TIMEOUT_S)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -6,10 +6,6 @@ result is read per rank. Plus what is refused or said, on accelerators this mach
 launch (one process, no launch). Skipped where deepspeed is not installed (the ``[deepspeed]``
 extra; ``make test`` installs it)."""
 
-import json
-import os
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -23,6 +19,8 @@ pytest.importorskip("deepspeed")
 from gradaccel.integrations import hf  # noqa: E402  (private parts too)
 from gradaccel.integrations import hf_deepspeed  # noqa: E402
 
+from _dist import torchrun  # noqa: E402
+
 HERE = Path(__file__).parent
 SCENARIOS = ["full", "lora", "bf16", "accelerate", "refused"]
 TIMEOUT_S = 300  # the launch; ~70 s on 2 busy cores
@@ -30,18 +28,8 @@ TIMEOUT_S = 300  # the launch; ~70 s on 2 busy cores
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_deepspeed")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "hf_deepspeed_ranks.py"), str(out)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:  # a hung collective fails the test, never stalls CI
-        pytest.fail(f"torchrun did not finish within {TIMEOUT_S} s:\n{(exc.stderr or '')[-3000:]}")
-    files = [out / f"rank{r}.json" for r in range(2)]
-    assert all(f.exists() for f in files), f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return [json.loads(f.read_text()) for f in files]
+    return torchrun(HERE / "hf_deepspeed_ranks.py", tmp_path_factory.mktemp("hf_deepspeed"), TIMEOUT_S,
+                    DS_ACCELERATOR="cpu")
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
