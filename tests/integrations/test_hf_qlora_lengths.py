@@ -6,8 +6,6 @@ and selective from the first step at each length: each layer traced once, every 
 sized from formulas (bitsandbytes' gemm_4bit is an op outside aten: priced by gradaccel's FLOP
 table, and run under the autocast it ran under)."""
 
-import warnings
-
 import pytest
 import torch
 
@@ -17,9 +15,8 @@ peft = pytest.importorskip("peft")
 bnb = pytest.importorskip("bitsandbytes")
 datasets = pytest.importorskip("datasets")
 
-import gradaccel  # noqa: E402
-from test_hf_stack import VOCAB, model_dir, tokenizer  # noqa: E402,F401 (the same tiny GQA Llama and tokenizer)
-from gradaccel.recompute.checkpoint import plan_rows, reset_plans  # noqa: E402
+from test_hf_stack import VOCAB, model_dir, tokenizer, train_quietly  # noqa: E402,F401 (same Llama, tokenizer)
+from gradaccel.recompute.checkpoint import plan_rows  # noqa: E402
 from _models import sized_matmul  # noqa: E402
 
 A, WINDOWS = 4, 3  # batch 1: A * WINDOWS micro-batches, each its own length
@@ -46,13 +43,7 @@ def qlora_sft(model_dir, tokenizer, texts, out, ours, dropout, optim="sgd", **kw
     torch.manual_seed(0)
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": texts}),
                              processing_class=tokenizer, peft_config=lora)
-    if ours:
-        reset_plans()
-        gradaccel.hf.enable(trainer, budget=0.5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # paged optimizers fall back to unpaged on CPU, with a warning
-        trainer.train()
-    return trainer
+    return train_quietly(trainer, ours)
 
 
 @sized_matmul

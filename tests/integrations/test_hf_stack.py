@@ -163,11 +163,17 @@ def qlora(model_dir, tokenizer, texts, out, use_gradaccel):
     ds = datasets.Dataset.from_dict(dict(tokenizer(texts)))
     collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, data_collator=collator)
+    return train_quietly(trainer, use_gradaccel)
+
+
+def train_quietly(trainer, use_gradaccel):
+    """``trainer.train()``, under ``hf.enable(budget=0.5)`` if asked, without bitsandbytes' notice
+    that paged optimizers fall back to unpaged on CPU."""
     if use_gradaccel:
         reset_plans()
         gradaccel.hf.enable(trainer, budget=0.5)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # paged optimizers fall back to unpaged on CPU, with a warning
+        warnings.simplefilter("ignore")
         trainer.train()
     return trainer
 
