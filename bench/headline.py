@@ -20,6 +20,8 @@ from bench.report import fmt, fmt_ratio
 # (what it shows, suite, metric, PyTorch baseline, PyTorch's alternative or None, gradaccel)
 HEADLINE = [
     ("fold bf16 grads into fp32: time", "accumulate", "time", "torch-naive", "torch-foreach", "gradaccel-fold"),
+    ("bf16 weight gradients over 16 micro-batches: error vs fp64", "accumulate", "grad_error", "torch-stock",
+     "gradaccel-fold", "gradaccel-fused"),
     ("window finalize (scale, norm, non-finite): time", "accumulate", "time", "torch-finalize", None,
      "gradaccel-finalize"),
     ("checkpoint a GPT stack: activations held", "checkpoint", "held_bytes", "torch-none", "torch-full",
