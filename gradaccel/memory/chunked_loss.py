@@ -112,10 +112,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             h, y = hidden[a:b], labels[a:b]
             if cast is not None:
                 h = h.to(cast)
-            p = torch.exp(F.linear(h, w, bb).float() - lse[a:b].unsqueeze(1))  # softmax
+            # In place: one chunk's fp32 logits become d loss / d logits (softmax - one-hot, scaled).
+            p = F.linear(h, w, bb).float()
+            p.sub_(lse[a:b].unsqueeze(1)).exp_()  # softmax
             valid = (y != ctx.ignore_index).unsqueeze(1)
-            p.scatter_add_(1, y.clamp(min=0).unsqueeze(1), -valid.float())  # softmax - one-hot
-            p = p * (valid * scale)  # d loss / d logits
+            p.scatter_add_(1, y.clamp(min=0).unsqueeze(1), -valid.float())
+            p.mul_(valid * scale)
             if gb is not None:
                 gb += p.sum(0)
             p = p.to(h.dtype)  # in the logits' dtype, as stock autograd makes it
