@@ -102,9 +102,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         sink = ctx.sink if need_w else None
         gh = torch.empty_like(hidden) if need_h else None
-        # fp32 sums (fp64 for an fp64 weight: gradcheck-style tests)
+        # The head weight's gradient over several chunks: fp32 sums (fp64 for an fp64 weight). In
+        # one chunk, one GEMM in the logits' dtype, as stock autograd makes it: an fp32 buffer
+        # would cost more than the logits it replaces.
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w and sink is None else None
+        one = hidden.shape[0] <= ctx.chunk
+        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) \
+            if need_w and sink is None and not one else None
         gb = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
             if bias is not None and need_b else None
         for a in range(0, hidden.shape[0], ctx.chunk):
@@ -124,7 +128,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if gh is not None:
                 gh[a:b] = p @ w
             if sink is not None:  # straight into the window: nothing weight-sized is made
-                sink(lambda acc, h=h, p=p: ops.wgrad_accumulate_(acc, h, p, 1.0))
+                sink(lambda window, h=h, p=p: ops.wgrad_accumulate_(window, h, p, 1.0))
+            elif need_w and one:
+                gw = p.t() @ h
             elif gw is not None and h.dtype in _WGRAD_DTYPES:  # products summed in fp32, no weight-sized temporary
                 ops.wgrad_accumulate_(gw, h, p, 1.0)
             elif gw is not None:

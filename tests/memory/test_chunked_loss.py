@@ -80,7 +80,9 @@ def _grads_and_hidden(model, ids, labels, **kw):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("num_items", [None, 77])
-def test_loss_and_gradients_equal_stock(bias, num_items):
+@pytest.mark.parametrize("chunk", [CHUNK, B * T])  # several chunks (fp32 head-gradient sums), or one
+def test_loss_and_gradients_equal_stock(bias, num_items, chunk, monkeypatch):
+    monkeypatch.setattr(chunked_loss, "chunk_rows", lambda rows, vocab: chunk)
     ref = llama(bias=bias)
     model = headed(ref)
     ids, labels = batch()
