@@ -14,8 +14,9 @@ And the full fine-tune's step with the loss in chunks (issue 29's number): the s
 mode (gradaccel/memory/chunked_loss.py: no whole logits; the chunks' head gradient goes into the
 window under ``fuse_wgrad``), ``gradaccel-fold`` and ``gradaccel-fused``, beside ``torch-stock``
 (the model's own loss, whole logits, stock ``.grad``). Rows ``peak_bytes`` and ``window_time`` as
-above, and ``largest_weight_grad`` (B): the bytes of the largest fused weight's gradient (the
-head's, V x C in the model's dtype), which the fused peak must fall below the fold's by.
+above; ``largest_in_backward`` (B): the largest storage one micro-batch's backward makes; and
+``largest_weight_grad`` (B): the bytes of the largest fused weight's gradient (the head's, V x C
+in the model's dtype), which the fused peak should fall below the fold's by.
 
 Metrics:
 
@@ -34,6 +35,8 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from bench.common import progress, time_interleaved, tiny
 from gradaccel import FusedAccumOptimizer
@@ -114,6 +117,34 @@ def _window_rows(case, runs, batches, device, reps, add) -> None:
         add(case, v, "peak_bytes", live.peak, "B")
 
 
+class _Largest(TorchDispatchMode):
+    """The bytes of the largest new storage any op makes while active (an in-place op or a view
+    returns its input's storage: not new)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def _largest_in_backward(run: "_Run", batch) -> int:
+    """The largest storage one micro-batch's backward makes (the window is then dropped)."""
+    loss = run.model.loss(batch)
+    with _Largest() as mode:
+        loss.backward()
+    run.opt.zero_grad()
+    if isinstance(run.opt, FusedAccumOptimizer):
+        run.opt.reset_window()
+    return mode.largest
+
+
 def chunked_head_rows(device: str, quick: bool, add) -> None:
     """The full fine-tune's step with the loss in chunks (see the module doc): the Llama case of
     :func:`_cases`, bf16 and fp32."""
@@ -129,7 +160,10 @@ def chunked_head_rows(device: str, quick: bool, add) -> None:
             runs = {v: _Run(v, copy.deepcopy(base) if v == "torch-stock" else copy.deepcopy(base).chunked(), window)
                     for v in VARIANTS}
             gen = torch.Generator().manual_seed(2)
-            _window_rows(case, runs, [make_batch(gen, dtype) for _ in range(window)], device, reps, add)
+            batches = [make_batch(gen, dtype) for _ in range(window)]
+            _window_rows(case, runs, batches, device, reps, add)
+            for v, r in runs.items():
+                add(case, v, "largest_in_backward", _largest_in_backward(r, batches[0]), "B")
             head = runs["gradaccel-fused"].model.lm.lm_head.weight
             assert "lm.lm_head" in runs["gradaccel-fused"].opt.fused_layers
             add(case, "gradaccel-fused", "largest_weight_grad", head.numel() * head.element_size(), "B")

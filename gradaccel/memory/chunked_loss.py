@@ -69,7 +69,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         A 0-d float32 tensor.
 
     Under autocast the matmuls run in autocast's dtype, in backward too (as stock ``F.linear``
-    under autocast would), so that backward's logits are forward's.
+    under autocast would), so that backward's logits are forward's. The gradient of the logits
+    is made in fp32 and rounded to the logits' dtype for the hidden states' gradient, as stock
+    autograd rounds it. Over several chunks the weight's gradient is summed in fp32: on CPU from
+    the fp32 gradient of the logits (the CPU op would widen a rounded copy to fp32 anyway), on
+    CUDA from the rounded one (the Triton GEMM sums its products in fp32). In one chunk, without
+    ``sink``, it is one GEMM in the logits' dtype, as stock.
     """
 
     @staticmethod
@@ -124,20 +129,37 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             p.mul_(valid * scale)
             if gb is not None:
                 gb += p.sum(0)
+            if (sink is not None or gw is not None) and p.device.type == "cpu":
+                # On CPU wgrad_accumulate_ widens bf16/fp16 to fp32 blocks itself: hand it the
+                # fp32 d-logits there are (unrounded; no widened copy of them is made).
+                _add_wgrad(sink, gw, h.to(p.dtype), p)
+                added = True
+            else:
+                added = False
             p = p.to(h.dtype)  # in the logits' dtype, as stock autograd makes it
             if gh is not None:
-                gh[a:b] = p @ w
-            if sink is not None:  # straight into the window: nothing weight-sized is made
-                sink(lambda window, h=h, p=p: ops.wgrad_accumulate_(window, h, p, 1.0))
-            elif need_w and one:
+                if gh.dtype == p.dtype and gh.is_contiguous():
+                    torch.mm(p, w, out=gh[a:b])  # no chunk-sized temporary
+                else:
+                    gh[a:b] = p @ w
+            if need_w and one and sink is None:
                 gw = p.t() @ h
-            elif gw is not None and h.dtype in _WGRAD_DTYPES:  # products summed in fp32, no weight-sized temporary
-                ops.wgrad_accumulate_(gw, h, p, 1.0)
-            elif gw is not None:
-                gw.addmm_(p.t().to(acc), h.to(acc))
+            elif not added and (sink is not None or gw is not None):
+                _add_wgrad(sink, gw, h, p)  # on CUDA, the Triton GEMM sums bf16 products in fp32
             del p
         return (gh, gw.to(weight.dtype) if gw is not None else None, gb.to(bias.dtype) if gb is not None else None,
                 None, None, None, None, None, None)
+
+
+def _add_wgrad(sink, gw, h, dy) -> None:
+    """Adds ``dyᵀ·h`` to the head weight's gradient: through ``sink`` into the window, or into
+    ``gw`` (fp32; fp64 for fp64 inputs), products summed in fp32, no weight-sized temporary."""
+    if sink is not None:  # straight into the window: nothing weight-sized is made
+        sink(lambda window: ops.wgrad_accumulate_(window, h, dy, 1.0))
+    elif h.dtype in _WGRAD_DTYPES and gw.dtype == torch.float32:
+        ops.wgrad_accumulate_(gw, h, dy, 1.0)
+    else:
+        gw.addmm_(dy.t().to(gw.dtype), h.to(gw.dtype))
 
 
 def chunk_rows(rows: int, vocab: int) -> int:
