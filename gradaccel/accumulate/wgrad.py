@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from gradaccel import ops
 
-__all__ = ["route", "routable", "sink_of"]
+__all__ = ["route", "routable", "sink_of", "is_routed_forward"]
 
 
 class _FusedLinear(torch.autograd.Function):
