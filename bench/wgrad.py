@@ -10,6 +10,14 @@ three ways, side by side in one run:
 Models: a stack of ``nn.Linear`` layers, and a small Hugging Face Llama with a 32K vocabulary
 (untied head), each in bf16 and in fp32.
 
+And the full fine-tune's step with the loss in chunks (issue 29's number): the same Llama in head
+mode (gradaccel/memory/chunked_loss.py: no whole logits; the chunks' head gradient goes into the
+window under ``fuse_wgrad``), ``gradaccel-fold`` and ``gradaccel-fused``, beside ``torch-stock``
+(the model's own loss, whole logits, stock ``.grad``). Rows ``peak_bytes`` and ``window_time`` as
+above; ``largest_in_backward`` (B): the largest storage one micro-batch's backward makes; and
+``largest_weight_grad`` (B): the bytes of the largest fused weight's gradient (the head's, V x C
+in the model's dtype), which the fused peak should fall below the fold's by.
+
 Metrics:
 
 - ``window_time`` (s, median, interleaved): forward, backward and the optimizer's ``step`` of
@@ -27,6 +35,8 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from bench.common import progress, time_interleaved, tiny
 from gradaccel import FusedAccumOptimizer
@@ -60,6 +70,13 @@ class Llama(nn.Module):
                                        max_position_embeddings=256, tie_word_embeddings=False)
         self.lm = transformers.LlamaForCausalLM(cfg)
 
+    def chunked(self) -> "Llama":
+        """This model with its loss in chunks (head mode: no whole logits); returns self."""
+        from gradaccel.memory.chunked_loss import install_head, set_head
+        assert install_head(self.lm)
+        set_head(self.lm, True)
+        return self
+
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=ids, labels=ids).loss
 
@@ -87,6 +104,70 @@ def _cases(quick: bool) -> list[tuple]:
 
     return [(f"linear stack {n}x{width}", lambda: LinearStack(width, n), stack_batch, window),
             (f"llama h{hidden} L{layers} v{vocab // 1000}k", lambda: Llama(hidden, layers, vocab), llama_batch, window)]
+
+
+def _window_rows(case, runs, batches, device, reps, add) -> None:
+    """``window_time`` (interleaved) and ``peak_bytes`` (exact) of a window, per variant."""
+    fns = {v: (lambda r=r: r.window(batches)) for v, r in runs.items()}
+    times = time_interleaved(fns, device, warmup=1, reps=reps)
+    for v, r in runs.items():
+        with LiveBytes() as live:
+            r.window(batches)
+        add(case, v, "window_time", times[v], "s")
+        add(case, v, "peak_bytes", live.peak, "B")
+
+
+class _Largest(TorchDispatchMode):
+    """The bytes of the largest new storage any op makes while active (an in-place op or a view
+    returns its input's storage: not new)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def _largest_in_backward(run: "_Run", batch) -> int:
+    """The largest storage one micro-batch's backward makes (the window is then dropped)."""
+    loss = run.model.loss(batch)
+    with _Largest() as mode:
+        loss.backward()
+    run.opt.zero_grad()
+    if isinstance(run.opt, FusedAccumOptimizer):
+        run.opt.reset_window()
+    return mode.largest
+
+
+def chunked_head_rows(device: str, quick: bool, add) -> None:
+    """The full fine-tune's step with the loss in chunks (see the module doc): the Llama case of
+    :func:`_cases`, bf16 and fp32."""
+    name, make_model, make_batch, window = _cases(quick)[1]
+    reps = 3 if quick or tiny() else 5
+    for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        case = f"step {name} loss in chunks {tag}"
+        progress(case)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            base = make_model().to(dtype)
+            runs = {v: _Run(v, copy.deepcopy(base) if v == "torch-stock" else copy.deepcopy(base).chunked(), window)
+                    for v in VARIANTS}
+            gen = torch.Generator().manual_seed(2)
+            batches = [make_batch(gen, dtype) for _ in range(window)]
+            _window_rows(case, runs, batches, device, reps, add)
+            for v, r in runs.items():
+                add(case, v, "largest_in_backward", _largest_in_backward(r, batches[0]), "B")
+            head = runs["gradaccel-fused"].model.lm.lm_head.weight
+            assert "lm.lm_head" in runs["gradaccel-fused"].opt.fused_layers
+            add(case, "gradaccel-fused", "largest_weight_grad", head.numel() * head.element_size(), "B")
+            del runs, base
 
 
 class _Run:
@@ -183,15 +264,9 @@ def run_rows(device: str, quick: bool, add) -> None:
                 base = make_model().to(dtype)
                 runs = {v: _Run(v, copy.deepcopy(base), window) for v in VARIANTS}
                 gen = torch.Generator().manual_seed(2)
-                batches = [make_batch(gen, dtype) for _ in range(window)]
-                fns = {v: (lambda r=r: r.window(batches)) for v, r in runs.items()}
-                times = time_interleaved(fns, device, warmup=1, reps=reps)
-                for v, r in runs.items():
-                    with LiveBytes() as live:
-                        r.window(batches)
-                    add(case, v, "window_time", times[v], "s")
-                    add(case, v, "peak_bytes", live.peak, "B")
-                del runs, fns, base
+                _window_rows(case, runs, [make_batch(gen, dtype) for _ in range(window)], device, reps, add)
+                del runs, base
                 for v in VARIANTS:
                     add(case, v, "grad_error", grad_error(make_model, make_batch, dtype, v,
                                                           4 if tiny() else ERROR_WINDOW), "rel")
+    chunked_head_rows(device, quick, add)

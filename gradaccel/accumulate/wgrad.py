@@ -18,7 +18,9 @@ with their own forward, such as quantized layers, are left alone), whose weight 
 ``scale_grad_by_freq`` or ``sparse``. Everything else keeps the fold. A weight shared by two
 routed layers (tied embedding and LM head) gets both contributions summed in its slice; a use of
 the same weight elsewhere (``F.linear(h, emb.weight)``) arrives through the fold hook and is
-summed too, whichever comes first.
+summed too, whichever comes first. Code that computes a routed layer's weight gradient itself
+takes the layer's sink from :func:`sink_of`: the chunked loss (gradaccel/memory/chunked_loss.py)
+adds each chunk's share of the LM head's gradient there.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 from gradaccel import ops
 
-__all__ = ["route", "routable"]
+__all__ = ["route", "routable", "sink_of", "is_routed_forward"]
 
 
 class _FusedLinear(torch.autograd.Function):
@@ -144,7 +146,12 @@ def route(root: nn.Module, sink_for: Callable[[torch.Tensor], Callable | None]) 
     routed = []
     for name, m in root.named_modules():
         own = vars(m).get("forward")
-        if not routable(m) or (own is not None and not isinstance(own, (_Routed, _Stock))):
+        # A forward that wraps the layer's own (head mode's, gradaccel/memory/chunked_loss.py)
+        # keeps its place and runs the routed forward inside it (``inner``).
+        wrapper = own if getattr(own, "wraps_forward", False) else None
+        if wrapper is not None:
+            own = wrapper.inner
+        if not routable(m) or (own is not None and not is_routed_forward(own)):
             continue  # a forward the user set on the instance: theirs
         w = m.weight
         if not isinstance(w, torch.Tensor) or type(w) not in (torch.Tensor, nn.Parameter) or not w.requires_grad:
@@ -155,14 +162,39 @@ def route(root: nn.Module, sink_for: Callable[[torch.Tensor], Callable | None]) 
         fwd = _linear_forward if isinstance(m, nn.Linear) else _embedding_forward
         # An instance attribute shadows the class's forward; nn.Module.__call__ (and its hooks)
         # run as before.
-        m.forward = _Routed(fwd, m, w, sink)
+        if wrapper is not None:
+            wrapper.inner = _Routed(fwd, m, w, sink)
+        else:
+            m.forward = _Routed(fwd, m, w, sink)
         routed.append((m, name))
     return routed
+
+
+def is_routed_forward(forward) -> bool:
+    """Whether an instance's ``forward`` is this module's (routed, or a copy's stock one)."""
+    return isinstance(forward, (_Routed, _Stock))
+
+
+def sink_of(module: nn.Module) -> Callable | None:
+    """The window sink of a routed layer's weight (see :func:`route`), for code that computes
+    that layer's weight gradient itself (the chunked loss computes the LM head's); None where
+    the layer is not routed, its weight was replaced since, or no gradient is being recorded."""
+    own = vars(module).get("forward")
+    if getattr(own, "wraps_forward", False):
+        own = own.inner
+    if not isinstance(own, _Routed) or own.weight is not module.weight:
+        return None
+    if not (torch.is_grad_enabled() and own.weight.requires_grad):
+        return None
+    return own.sink
 
 
 def unroute(routed: list[tuple[nn.Module, str]]) -> None:
     """Gives the layers that :func:`route` routed their class's forward back."""
     for m, _ in routed:
-        if isinstance(vars(m).get("forward"), _Routed):
+        own = vars(m).get("forward")
+        if getattr(own, "wraps_forward", False) and isinstance(own.inner, _Routed):
+            own.inner = None
+        elif isinstance(own, _Routed):
             del m.forward
     routed.clear()

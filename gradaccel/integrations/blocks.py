@@ -62,8 +62,9 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
             the first training call for an input shape the model is profiled on fake tensors and
             the plan with the least recompute whose peak fits is chosen: per block, a checkpoint
             budget or the block's parts as their own checkpoints, split on the peak's own terms
-            (gradaccel/memory/split.py), and a causal LM's loss computed in chunks without logits
-            held for backward where the loss would set the peak (see gradaccel/memory/target.py).
+            (gradaccel/memory/split.py), and a causal LM's loss computed in chunks without the
+            whole logits where the loss would set the peak (see gradaccel/memory/target.py; the
+            training call's ``outputs.logits`` is then a stand-in that raises when read).
             ``model.train()`` with a loss the model computes (``labels``) is what is profiled;
             for a plain module, its output summed.
         seq (None | int): with ``memory``, the longest sequence length training will see (TRL's

@@ -67,7 +67,7 @@ class Fit:
     suggestions: list = dataclasses.field(default_factory=list)
     host: dict = dataclasses.field(default_factory=dict)  # bytes held in host memory, not in ``peak``
     offload: bool = False  # the blocks run gradaccel.checkpoint(..., offload=True)
-    chunked_loss: bool = False  # the LM loss in chunks, no logits held for backward (gradaccel/memory/target.py)
+    chunked_loss: bool = False  # the LM loss in chunks, no whole logits made (gradaccel/memory/chunked_loss.py)
     options: list = dataclasses.field(default_factory=list)  # other plans worth knowing (Fit each)
     longer: tuple | None = None  # max_seq: (the first length found not to fit, its least predicted peak)
 
@@ -107,7 +107,7 @@ class Fit:
         """The plan and its breakdown, as a readable table."""
         host = sum(self.host.values())
         lines = [f"micro-batch {self.micro_batch} x {self.accum_steps} accumulation steps, sequence {self.seq}"
-                 + (", loss in chunks (no logits held for backward)" if self.chunked_loss else "")
+                 + (", loss in chunks (no whole logits made)" if self.chunked_loss else "")
                  + (f", offload=True ({format_bytes(host)} on host)" if self.offload else "")
                  + ("" if self.fits else "  (DOES NOT FIT)"),
                  f"blocks: {self.modes()}",
@@ -417,7 +417,7 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
     Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the
     per-block plans with the least recompute whose predicted peak fits (gradaccel/memory/split.py),
     with the causal LM loss as the model computes it or, where that does not fit or the peak is
-    at the loss, computed in chunks without logits held for backward (``chunked_loss``: one
+    at the loss, computed in chunks without the whole logits (``chunked_loss``: one
     more LM-head matmul in backward; Hugging Face causal LMs with the stock loss), and picks
     the configuration with the least predicted step time (the planner's cost model:
     forward and backward, recompute, and the per-micro-batch fold into the fp32 buffer).

@@ -23,9 +23,9 @@ A block may run:
 And where the model's loss does not fit or the peak is at the loss, **head**: for a Hugging
 Face causal LM whose loss is the stock ``ForCausalLMLoss``, the loss is computed by
 :class:`ChunkedLinearCrossEntropy` from the final hidden states and the LM head's weight, rows
-at a time: it holds no logits-sized tensor for backward and rebuilds logits a chunk at a time
-in backward (one more LM-head matmul, priced as such). The model's ``logits`` output is still
-made by ``lm_head`` as before (and still differentiable), then freed when the caller drops it.
+at a time, in forward and again in backward (one more LM-head matmul, priced as such): the
+whole logits are never made. The training call's ``outputs.logits`` is then a stand-in that
+raises when read (gradaccel/memory/chunked_loss.py); calls without labels get real logits.
 
 The choice is made once per input shape; outputs and gradients are those without
 checkpointing (up to the order of floating-point sums). ``gradaccel.fit`` plans with the same

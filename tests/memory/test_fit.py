@@ -121,7 +121,7 @@ def test_fitted_plan_never_exceeds_target():
 
 def test_fit_computes_the_loss_in_chunks_where_logits_dominate():
     """A vocabulary 128x the hidden size: the loss's logits set the floor. The fit finds the
-    loss in chunks (no logits held for backward) where the plain loss cannot fit, applies it in
+    loss in chunks (no whole logits made) where the plain loss cannot fit, applies it in
     one call, and the real step stays under the target, within 10% of the prediction, with
     stock gradients."""
     from gradaccel.memory.fit import _least

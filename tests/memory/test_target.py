@@ -88,7 +88,7 @@ def test_memory_below_per_block_floor(hidden, vocab, seq, mode):
     (chosen, _, _), = target.chosen.values()
     assert chosen != "blocks"  # below the floor: not per-block plans
     assert peak <= memory, (peak, memory)
-    assert "_gradaccel_seen" not in model.lm_head.__dict__  # nothing of the head outlives the step
+    assert "_gradaccel_made" not in model.lm_head.__dict__  # nothing of the head outlives the step
     # Same maths; the chunked loss sums in another order: a tolerance.
     torch.testing.assert_close(loss, ref_loss)
     for p, q in zip(model.parameters(), ref.parameters()):
