@@ -107,5 +107,6 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
         check_count(seq, "seq")
     blocks.install(model, budget, block_types, cost, offload, inputs_on_host)
     if memory is not None:
-        model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model, seq), with_kwargs=True)
+        model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model, seq, inputs_on_host),
+                                        with_kwargs=True)
     return model

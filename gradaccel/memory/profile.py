@@ -192,6 +192,11 @@ class Profile:
             ``events``, each block run's in ``Kind.events``), for gradaccel/memory/lengths.py.
     """
 
+    # Block inputs parked on the host (checkpoint_blocks(inputs_on_host=True)): step_terms prices
+    # them. A class default: profiles predicted at other lengths are made without __init__.
+    inputs_on_host = False
+    pinned_inputs = frozenset()  # blocks whose input is a leaf that requires grad (run_parked keeps it)
+
     def __init__(self, model: nn.Module, step, batch, grad_hooks: bool = True, skeleton: bool = True,
                  prepare=None, trajectories: bool = False):
         RUNS[0] += 1
@@ -223,8 +228,6 @@ class Profile:
         self.kind_of = {i: k for k in self.kinds for i in k.blocks}
         self.grad_hooks = grad_hooks
         self._terms = {}
-        # Block inputs parked on the host (checkpoint_blocks(inputs_on_host=True)): step_terms prices them.
-        self.inputs_on_host = False
         self._trace_pass()
         if skeleton:
             self._skeleton_pass()
@@ -250,6 +253,8 @@ class Profile:
                 b.forward = f
 
     def _trace_block(self, i, forward, *args, **kwargs):
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_leaf and args[0].requires_grad:
+            self.pinned_inputs = self.pinned_inputs | {i}  # autograd holds it: never parked
         flat, _ = tree_flatten((args, kwargs))
         grads = tuple(t.requires_grad for t in flat if isinstance(t, torch.Tensor))
         kind = self.kind_of[i]
@@ -475,7 +480,7 @@ class Profile:
         from gradaccel.recompute.host_inputs import parked_bytes
 
         args = self.kind_of[s].args
-        return parked_bytes(args[0]) if args else 0
+        return parked_bytes(args[0]) if args and s not in self.pinned_inputs else 0
 
     def host_options(self, kind: Kind, offload: bool = False) -> list:
         """:meth:`options` with the inputs on the host: a block run as its parts keeps its input

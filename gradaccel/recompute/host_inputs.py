@@ -89,7 +89,10 @@ def _resized(storage, delta: int) -> None:
 
 
 def _worth_parking(x) -> bool:
+    # A leaf that requires grad (the embeddings' output under enable_input_require_grads) is held
+    # by its gradient accumulator in the graph anyway: parking a copy would free nothing.
     return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided
+            and not (x.is_leaf and x.requires_grad)
             and x.device.type in ("cpu", "cuda") and x.is_floating_point()
             and x.numel() * x.element_size() >= MIN_BYTES)
 
@@ -107,7 +110,8 @@ def run_parked(call, args: tuple, store=None, order: list | None = None):
 
     Returns:
         What ``call`` returns. The input stays on the device (nothing parked) where it is not a
-        floating strided CPU/CUDA tensor of at least :data:`MIN_BYTES`, where an output shares
+        floating strided CPU/CUDA tensor of at least :data:`MIN_BYTES`, where it is a leaf that
+        requires grad (autograd holds it anyway), where an output shares
         its storage, or where the store refuses it (host budget, host memory refused).
     """
     if not args or not _worth_parking(args[0]) or not torch.is_grad_enabled():
@@ -141,7 +145,9 @@ def run_parked(call, args: tuple, store=None, order: list | None = None):
 
 def parked_bytes(x: torch.Tensor) -> int:
     """Bytes :func:`run_parked` would send to host memory for a block whose first argument is
-    ``x`` (0 where it would keep it), for the planner; fake tensors count as real ones."""
+    like ``x`` (0 where it would keep it), for the planner; fake tensors count as real ones.
+    Whether ``x`` is a leaf that requires grad is the caller's to check (a block kind's traced
+    input stands for all its blocks')."""
     if not isinstance(x, torch.Tensor) or x.layout != torch.strided or not x.is_floating_point():
         return 0
     n = x.numel() * x.element_size()
