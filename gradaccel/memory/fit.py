@@ -315,6 +315,7 @@ class Planner:
                               key=lambda r: r.peak) for off in (False, True))
         if not fitting and offload.offload and offload.peak <= usable:
             fitting = [offload]  # the split's estimate missed it; the least-peak plan fits exactly
+        parked = None
         if not fitting:  # the blocks' inputs on the host, where only then a plan fits
             for mb in sorted(sizes):
                 r = _best_for(setup, seq, mb, batch, usable, host=True)
@@ -326,14 +327,14 @@ class Planner:
                               for chunked in {False, bool(setup.head_flops)}), key=lambda r: r.peak)
                 if parked.peak <= usable:
                     fitting = [parked]
-                elif parked.peak < offload.peak:
-                    offload = parked  # the least this step can take: what _suggest says
         if fitting:
             off = min(fitting, key=lambda r: r.step_cost)
             off.memory, off.slack, off._planner = memory, slack, self
             return off
         worst.memory, worst.slack, worst.fits = memory, slack, False
         worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
+        if parked is not None and parked.peak < offload.peak:  # the least this step can take, and how
+            worst.suggestions += _suggest(setup, worst, usable, self.lora, self.load_in_4bit, parked)[-1:]
         return worst
 
 

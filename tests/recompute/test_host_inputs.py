@@ -83,7 +83,7 @@ def test_host_holds_the_inputs_between_forward_and_backward():
     model = gradaccel.checkpoint_blocks(Stack(), inputs_on_host=True)
     store = gradaccel.recompute.frames.store_for(None)
     before = store.bytes_in_use
-    out = model(torch.randn(1, T, WIDTH, requires_grad=True))
+    out = model(torch.randn(1, T, WIDTH, requires_grad=True) * 1.0)  # not a leaf: parked too
     assert store.bytes_in_use - before == LAYERS * T * WIDTH * 4
     out.sum().backward()
     assert store.bytes_in_use == before
@@ -99,7 +99,7 @@ def test_prefetch_runs_one_block_ahead(monkeypatch):
 
     monkeypatch.setattr(host_inputs._Parked, "__init__", spy)
     model = Stack()
-    x = torch.randn(1, T, WIDTH, requires_grad=True)
+    x = torch.randn(1, T, WIDTH, requires_grad=True) * 1.0
     for b in model.blocks:
         x = host_inputs.run_parked(lambda y, b=b: torch.utils.checkpoint.checkpoint(b, y, use_reentrant=False),
                                    (x,), order=order)
@@ -119,9 +119,13 @@ def test_small_or_aliased_inputs_stay():
     tiny = torch.randn(4, 4, requires_grad=True)
     out = host_inputs.run_parked(lambda y: calls.append(y) or y * 2, (tiny,))
     assert calls[0] is tiny and out.grad_fn is not None  # under MIN_BYTES: not even copied
-    big = torch.randn(T, WIDTH, requires_grad=True)
+    big = torch.randn(T, WIDTH, requires_grad=True) * 1.0
     out = host_inputs.run_parked(lambda y: y.view(-1), (big,))
     assert out.untyped_storage().nbytes() == big.numel() * 4  # handed back: still on the device
+    # A leaf that requires grad: its gradient accumulator holds it anyway, so no copy is made.
+    leaf = torch.randn(T, WIDTH, requires_grad=True)
+    host_inputs.run_parked(lambda y: calls.append(y) or y * 2, (leaf,))
+    assert calls[-1] is leaf
 
 
 def test_hf_llama_with_gradient_checkpointing():
