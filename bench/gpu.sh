@@ -3,8 +3,9 @@
 # build the CUDA extension against the machine's own torch, run the suite on CUDA, then
 # `python -m bench --device cuda`, which writes its tables into bench/RESULTS.md. What comes
 # back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, checks.log (the wgrad GEMM
-# against cuBLAS, deepspeed's install, the seed script at every length), bench.log, RESULTS.md,
-# report.md, results.json. Commit the returned RESULTS.md.
+# against cuBLAS, deepspeed's install, the seed script at every length, one long-context step
+# with the block inputs on the host against on the device), bench.log, RESULTS.md, report.md,
+# results.json. Commit the returned RESULTS.md.
 #
 # On a machine with two GPUs the bench's distributed suite runs too (NCCL, 2 ranks: FSDP2, the DDP
 # Trainer row and the DeepSpeed ZeRO-2 Trainer row); for the last, deepspeed is installed first
@@ -68,6 +69,10 @@ tail -60 "$OUT/bench.log"
 echo "== the seed script at every length (QLoRA SFTTrainer, flash_attention_2 where flash-attn is installed)"
 timeout 60 "$PY" bench/lengths_qlora.py --device cuda --micro 16 --accum 4 >> "$OUT/checks.log" 2>&1
 echo "lengths_qlora exit $?"
+tail -4 "$OUT/checks.log"
+echo "== long context: block inputs on the host vs on the device (Llama-3.2-1B shape, 32K tokens, one step each)"
+timeout 50 "$PY" bench/host_inputs_gpu.py --seq 32768 >> "$OUT/checks.log" 2>&1
+echo "host_inputs exit $?"
 tail -4 "$OUT/checks.log"
 cp bench/RESULTS.md "$OUT/" 2>/dev/null
 cp /tmp/gradaccel-bench/report.md /tmp/gradaccel-bench/results.json "$OUT/" 2>/dev/null

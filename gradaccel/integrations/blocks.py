@@ -15,7 +15,8 @@ from gradaccel.recompute import blocks
 __all__ = ["checkpoint_blocks"]
 
 
-def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="flops", offload=False, seq=None):
+def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="flops", offload=False, seq=None,
+                      inputs_on_host=False):
     """Checkpoint each repeated block of ``model`` in place, through ``gradaccel.checkpoint``.
 
     In training mode with grad enabled, each block's forward runs inside
@@ -77,6 +78,13 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
             :func:`gradaccel.checkpoint`.
         offload (bool): as in :func:`gradaccel.checkpoint`: what a block's budget leaves out may
             go to host memory where copying beats recomputing (``gradaccel.fit`` proposes it).
+        inputs_on_host (bool): each checkpointed block's input (its hidden state, the one tensor a
+            keep-nothing block holds between forward and backward) waits in pinned host memory
+            from the end of the block's forward until its backward starts, copied on a side
+            stream and brought back one block ahead (gradaccel/recompute/host_inputs.py). Device
+            memory drops by one hidden state per block; ``gradaccel.fit`` chooses it where only
+            then a plan fits. Blocks run as their parts (``memory=`` below the per-block floor)
+            keep their inputs.
 
     Returns:
         nn.Module: ``model`` itself.
@@ -98,7 +106,8 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
         if memory is None:
             raise ValueError("seq is the longest length memory= plans for: give it with memory=")
         check_count(seq, "seq")
-    blocks.install(model, budget, block_types, cost, offload)
+    blocks.install(model, budget, block_types, cost, offload, inputs_on_host)
     if memory is not None:
-        model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model, seq), with_kwargs=True)
+        model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model, seq, inputs_on_host),
+                                        with_kwargs=True)
     return model

@@ -53,7 +53,8 @@ from gradaccel.accumulate.optimizer import FusedAccumOptimizer
 __all__ = ["enable"]
 
 
-def enable(target: Any, budget: None | float | int = None, *, fuse_wgrad: bool = False) -> Any:
+def enable(target: Any, budget: None | float | int = None, *, fuse_wgrad: bool = False,
+           inputs_on_host: bool = False) -> Any:
     """Puts gradaccel under a Hugging Face ``Trainer`` (or ``trl.SFTTrainer``) or an ``accelerate.Accelerator``.
 
     Call it on the trainer after building it and before ``train()``; on an accelerator before
@@ -70,6 +71,10 @@ def enable(target: Any, budget: None | float | int = None, *, fuse_wgrad: bool =
             layers go from their GEMM straight into the fp32 window
             (``FusedAccumOptimizer(fuse_wgrad=True)``, docs/accumulation.md); not under
             DeepSpeed, which owns the gradient there.
+        inputs_on_host: each checkpointed layer's input hidden state waits in pinned host memory
+            between its forward and its backward (``checkpoint_blocks(..., inputs_on_host=True)``,
+            gradaccel/recompute/host_inputs.py). As ``budget``, it applies where HF checkpointing
+            is on, and a model ``checkpoint_blocks`` already checkpoints keeps its own setting.
 
     Returns:
         ``target``.
@@ -90,19 +95,21 @@ def enable(target: Any, budget: None | float | int = None, *, fuse_wgrad: bool =
     _check_budget(budget)
     if not isinstance(fuse_wgrad, bool):
         raise TypeError(f"fuse_wgrad must be a bool, got {type(fuse_wgrad).__name__}")
+    if not isinstance(inputs_on_host, bool):
+        raise TypeError(f"inputs_on_host must be a bool, got {type(inputs_on_host).__name__}")
     accelerate = sys.modules.get("accelerate")
     transformers = sys.modules.get("transformers")
     if transformers is not None and isinstance(target, transformers.Trainer):
-        _enable_trainer(target, budget, fuse_wgrad)
+        _enable_trainer(target, budget, fuse_wgrad, inputs_on_host)
     elif accelerate is not None and isinstance(target, accelerate.Accelerator):
-        _patch_accelerator(target, budget, fuse_wgrad)
+        _patch_accelerator(target, budget, fuse_wgrad, inputs_on_host)
     else:
         raise TypeError(f"gradaccel.hf.enable takes a transformers.Trainer or an accelerate.Accelerator, "
                         f"got {type(target).__name__}")
     return target
 
 
-def _enable_trainer(trainer, budget, fuse_wgrad=False) -> None:
+def _enable_trainer(trainer, budget, fuse_wgrad=False, inputs_on_host=False) -> None:
     args = trainer.args
     # Under DeepSpeed its engine keeps .grad and its own loss scaler: fp16 is DeepSpeed's business.
     if getattr(args, "fp16", False) and not _hf_ds.active(trainer.accelerator):
@@ -115,15 +122,16 @@ def _enable_trainer(trainer, budget, fuse_wgrad=False) -> None:
                         "(gradient_accumulation_steps) and gradaccel wraps the optimizer itself")
     model = trainer.model
     checkpointing = bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None))
-    _checkpoint(model, budget, on=checkpointing)
-    _patch_accelerator(trainer.accelerator, budget, fuse_wgrad)
+    _checkpoint(model, budget, on=checkpointing, inputs_on_host=inputs_on_host)
+    _patch_accelerator(trainer.accelerator, budget, fuse_wgrad, inputs_on_host)
     if "create_accelerator_and_postprocess" not in vars(trainer):
         # A hyper-parameter search builds a new accelerator per trial: it gets gradaccel too.
         create = trainer.create_accelerator_and_postprocess
 
         def create_accelerator_and_postprocess():
             create()
-            _patch_accelerator(trainer.accelerator, trainer._gradaccel_budget, trainer._gradaccel_fuse_wgrad)
+            _patch_accelerator(trainer.accelerator, trainer._gradaccel_budget, trainer._gradaccel_fuse_wgrad,
+                               inputs_on_host)
 
         trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
     if "train" not in vars(trainer):
@@ -143,7 +151,7 @@ def _enable_trainer(trainer, budget, fuse_wgrad=False) -> None:
     trainer._gradaccel_budget, trainer._gradaccel_fuse_wgrad = budget, fuse_wgrad
 
 
-def _checkpoint(model: nn.Module, budget, on: bool) -> None:
+def _checkpoint(model: nn.Module, budget, on: bool, inputs_on_host: bool = False) -> None:
     """HF checkpointing on (or asked for): gradaccel's at ``budget``. Off: stays off, but whoever
     turns it on later gets gradaccel's."""
     if any("_gradaccel_checkpoint" in vars(m) for m in model.modules()):
@@ -151,10 +159,10 @@ def _checkpoint(model: nn.Module, budget, on: bool) -> None:
     hf = blocks._hf_models(model)
     was_on = any(getattr(m, "gradient_checkpointing", False) is True for h in hf for m in h.modules())
     if on or was_on:
-        blocks.install(model, budget=budget)
+        blocks.install(model, budget=budget, inputs_on_host=inputs_on_host)
         return
     for m in hf:
-        blocks._take_over(m, budget)
+        blocks._take_over(m, budget, inputs_on_host=inputs_on_host)
     if budget:
         warnings.warn(f"gradaccel.hf.enable: budget={budget!r} has no effect, gradient checkpointing is off; "
                       "turn it on (gradient_checkpointing=True in TrainingArguments/SFTConfig, or "
@@ -166,6 +174,7 @@ class _State:
 
     def __init__(self, budget, fuse_wgrad=False):
         self.budget, self.fuse_wgrad = budget, fuse_wgrad
+        self.inputs_on_host = False  # checkpointed layers park their inputs on the host
         self.model = None  # the model prepared with the optimizer (fuse_wgrad routes its layers)
         self.optimizers: list[weakref.ref] = []
         self.deepspeed = False  # True: checkpointing only, the gradient is DeepSpeed's
@@ -181,22 +190,24 @@ class _State:
                 agreement.abort(exc)
 
 
-def _patch_accelerator(acc, budget, fuse_wgrad=False) -> None:
+def _patch_accelerator(acc, budget, fuse_wgrad=False, inputs_on_host=False) -> None:
     state = getattr(acc, "_gradaccel", None)
     if state is not None:
-        state.budget = budget
+        state.budget, state.inputs_on_host = budget, inputs_on_host
         return
     if _hf_ds.active(acc):
         if fuse_wgrad:
             raise ValueError("gradaccel.hf.enable: fuse_wgrad=True under DeepSpeed: DeepSpeed makes, reduces and "
                              "partitions the gradient itself; leave fuse_wgrad off there (DDP or FSDP2 take it)")
         _patch_deepspeed(acc, budget)
+        acc._gradaccel.inputs_on_host = inputs_on_host
         return
     _hf_dist.check(acc)  # FSDP, ...: refused with the route that works
     if getattr(acc, "scaler", None) is not None:
         raise ValueError("gradaccel.hf.enable: mixed_precision='fp16' uses a gradient scaler that reads .grad, "
                          "which gradaccel frees; use bf16")
     state = acc._gradaccel = _State(budget, fuse_wgrad)
+    state.inputs_on_host = inputs_on_host
     group = _hf_dist.group(acc)  # several processes: the window buffer is summed over them
     _hf_dist.patch_prepare_model(acc)  # ... and accelerate builds no DDP (see gradaccel/integrations/hf_dist.py)
     prepare, prepare_optimizer = acc.prepare, acc.prepare_optimizer
@@ -215,7 +226,7 @@ def _patch_accelerator(acc, budget, fuse_wgrad=False) -> None:
     def prepare_(*args, device_placement=None):
         for a in args:
             if isinstance(a, nn.Module):
-                _checkpoint(a, state.budget, on=False)
+                _checkpoint(a, state.budget, on=False, inputs_on_host=state.inputs_on_host)
                 state.model = state.model or a  # prepared beside the optimizer: the one fuse_wgrad routes
         out = prepare(*args, device_placement=device_placement)
         models = [m for m in (*args, *acc._models) if isinstance(m, nn.Module)]
@@ -261,7 +272,7 @@ def _patch_deepspeed(acc, budget) -> None:
     def prepare_(*args, device_placement=None):
         for a in args:
             if isinstance(a, nn.Module):
-                _checkpoint(a, state.budget, on=False)
+                _checkpoint(a, state.budget, on=False, inputs_on_host=state.inputs_on_host)
         return prepare(*args, device_placement=device_placement)
 
     acc.prepare = prepare_

@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from gradaccel.recompute import host_inputs as _host_inputs
 from gradaccel.recompute.storage import StorageMap, storage_key
 
 __all__ = ["LiveBytes", "Trajectory", "StorageLog", "held_activation_bytes", "measured_peak", "parse_bytes", "check_count",
@@ -106,6 +107,7 @@ class LiveBytes(TorchDispatchMode):
         self.phase = None
         self.phases: dict = {}
         self._refs: dict = {}
+        self._sizes: dict = {}  # storage key -> its bytes now (resized ones differ from at birth)
 
     def set_phase(self, label) -> None:
         self.phase = label
@@ -121,7 +123,23 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, key, nbytes, _ref) -> None:
         if self._refs.get(key) is _ref:
             del self._refs[key]
-            self.live -= nbytes
+            self.live -= self._sizes.pop(key, nbytes)
+
+    def _resized(self, key, delta: int) -> None:
+        # A counted storage resized in place (a block input parked on the host and brought
+        # back: gradaccel/recompute/host_inputs.py); no aten op does that, so it is told.
+        if key in self._refs:
+            self._sizes[key] = self._sizes.get(key, 0) + delta
+            self.live += delta
+            self._note_peak()
+
+    def _note_peak(self) -> None:
+        if self.live > self.peak:
+            self.peak = self.live
+        if self.phase is not None:
+            start, peak = self.phases[self.phase]
+            if self.live > peak:
+                self.phases[self.phase] = (start, self.live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -135,14 +153,22 @@ class LiveBytes(TorchDispatchMode):
                 continue
             n = st.nbytes()
             self._refs[key] = weakref.ref(st, functools.partial(self._free, key, n))
+            self._sizes[key] = n
             self.live += n
-        if self.live > self.peak:
-            self.peak = self.live
-        if self.phase is not None:
-            start, peak = self.phases[self.phase]
-            if self.live > peak:
-                self.phases[self.phase] = (start, self.live)
+        self._note_peak()
         return out
+
+
+def _tell_counters(storage, delta: int) -> None:
+    """Every active :class:`LiveBytes` hears of ``storage`` resized by ``delta`` bytes."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, LiveBytes):
+            mode._resized(storage._cdata, delta)
+
+
+_host_inputs._RESIZE_LISTENERS.append(_tell_counters)
 
 
 class Trajectory(LiveBytes):

@@ -23,6 +23,7 @@ The longest sequence that fits is gradaccel/memory/longest.py's (``max_seq``); t
 is gradaccel/memory/fit_cli.py's.
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -67,6 +68,7 @@ class Fit:
     suggestions: list = dataclasses.field(default_factory=list)
     host: dict = dataclasses.field(default_factory=dict)  # bytes held in host memory, not in ``peak``
     offload: bool = False  # the blocks run gradaccel.checkpoint(..., offload=True)
+    inputs_on_host: bool = False  # the blocks' inputs wait on the host (checkpoint_blocks(inputs_on_host=True))
     chunked_loss: bool = False  # the LM loss in chunks, no whole logits made (gradaccel/memory/chunked_loss.py)
     options: list = dataclasses.field(default_factory=list)  # other plans worth knowing (Fit each)
     longer: tuple | None = None  # max_seq: (the first length found not to fit, its least predicted peak)
@@ -81,17 +83,17 @@ class Fit:
         length's own plan, re-planned for the same target from the length profile
         (gradaccel/memory/lengths.py: no fake-tensor run for lengths the fit profiled around, up to
         ``seq``); a length past ``seq`` is profiled once on fake tensors (warned about).
-        Plans with offload keep their budgets at every length."""
+        Plans with offload or inputs on the host keep their budgets at every length."""
         if self.chunked_loss and not install_head(model):
             raise ValueError("this plan computes the loss in chunks (chunked_loss), which needs a Hugging Face "
                              "causal LM with its stock loss")
-        blocks_mod.install(model, offload=self.offload)
+        blocks_mod.install(model, offload=self.offload, inputs_on_host=self.inputs_on_host)
         blocks = find_blocks(model)
         if len(blocks) != len(self.budgets):
             raise ValueError(f"model has {len(blocks)} blocks, the fit was made for {len(self.budgets)}")
         set_plans(model, blocks, self.chunked_loss, self.budgets)
         planner = getattr(self, "_planner", None)  # set by Planner.fit; not a field (to_dict)
-        if planner is not None and not self.offload and self.memory is not None:
+        if planner is not None and not (self.offload or self.inputs_on_host) and self.memory is not None:
             from gradaccel.memory.fit_lengths import FittedLengths
 
             planner.lengths(self.seq, self.micro_batch, self.chunked_loss)  # profiled now, not mid-training
@@ -109,6 +111,7 @@ class Fit:
         lines = [f"micro-batch {self.micro_batch} x {self.accum_steps} accumulation steps, sequence {self.seq}"
                  + (", loss in chunks (no whole logits made)" if self.chunked_loss else "")
                  + (f", offload=True ({format_bytes(host)} on host)" if self.offload else "")
+                 + (f", block inputs on host ({format_bytes(host)} on host)" if self.inputs_on_host else "")
                  + ("" if self.fits else "  (DOES NOT FIT)"),
                  f"blocks: {self.modes()}",
                  f"blocks keep {format_bytes(self.kept)} beyond their inputs; recompute "
@@ -150,7 +153,8 @@ class Fit:
     def summary(self) -> str:
         """One line: micro-batch, offload, predicted device peak, host bytes and step time."""
         host = sum(self.host.values())
-        how = (", offload=True" if self.offload else "") + (", loss in chunks" if self.chunked_loss else "")
+        how = (", offload=True" if self.offload else "") + (", loss in chunks" if self.chunked_loss else "") + \
+            (", inputs on host" if self.inputs_on_host else "")
         return (f"micro-batch {self.micro_batch} x {self.accum_steps}{how}: "
                 f"device peak {format_bytes(self.peak)}, host {format_bytes(host)}, step time {self.time:.2f}x")
 
@@ -230,10 +234,12 @@ class Planner:
                                                profile_lengths(seq) or [seq], self._kinds_at)
         return self._lengths[key]
 
-    def fronts(self, prof, offload=False) -> list:
-        """Per block of the model, its kind's plans (``Profile.options``; ``offload``: with offload)."""
+    def fronts(self, prof, offload=False, host=False) -> list:
+        """Per block of the model, its kind's plans (``Profile.options``; ``offload``: with offload;
+        ``host``: with the inputs on the host, ``Profile.host_options``)."""
         layout = self.layout or range(len(prof.blocks))
-        return [prof.options(prof.kind_of[s], offload) for s in layout]
+        options = prof.host_options if host else prof.options
+        return [options(prof.kind_of[s], offload) for s in layout]
 
     def predict(self, prof, points, exact=True) -> dict:
         out = prof.predict(points, exact=exact, layout=self.layout)
@@ -248,7 +254,7 @@ class Planner:
         return max((m.weight.numel() * 2 for b in prof.blocks for m in b.modules() if isinstance(m, nn.Linear)),
                    default=0)
 
-    def estimate(self, seq: int, micro_batch: int, budget=None, offload=False) -> Fit:
+    def estimate(self, seq: int, micro_batch: int, budget=None, offload=False, inputs_on_host=False) -> Fit:
         """See :func:`estimate`."""
         prof = self.profile(seq, micro_batch)
         chosen = {}  # kind id -> its point: a block of the model repeats a profiled one
@@ -258,7 +264,7 @@ class Planner:
                 b = max(1, int((b or 0.0) * kind.graph.activation_bytes))
             chosen[id(kind)] = kind.offload_at(b) if offload else kind.plan_at(b)
         points = [chosen[id(prof.kind_of[s])] for s in self.layout or range(len(prof.blocks))]
-        return _evaluate(self, seq, micro_batch, micro_batch, points)
+        return _evaluate(self, seq, micro_batch, micro_batch, points, host=inputs_on_host)
 
     def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None) -> Fit:
         """See :func:`fit`."""
@@ -290,6 +296,11 @@ class Planner:
                 if off.step_cost < best.step_cost * 0.995:
                     off.memory, off.slack = memory, slack
                     best.options.append(off)
+            # Inputs on the host: more room for what the blocks keep, so maybe less recompute.
+            parked = _best_for(setup, seq, best.micro_batch, batch, usable, chunked_loss=best.chunked_loss, host=True)
+            if parked is not None and parked.step_cost < best.step_cost * 0.995:
+                parked.memory, parked.slack = memory, slack
+                best.options.append(parked)
             best._planner = self
             return best
         # Nothing fits without offload. Where a plan with offload fits, it is the answer (what
@@ -304,12 +315,26 @@ class Planner:
                               key=lambda r: r.peak) for off in (False, True))
         if not fitting and offload.offload and offload.peak <= usable:
             fitting = [offload]  # the split's estimate missed it; the least-peak plan fits exactly
+        parked = None
+        if not fitting:  # the blocks' inputs on the host, where only then a plan fits
+            for mb in sorted(sizes):
+                r = _best_for(setup, seq, mb, batch, usable, host=True)
+                if r is None:
+                    break
+                fitting.append(r)
+            if not fitting:
+                parked = min((_least(setup, seq, batch, False, chunked, host=True)
+                              for chunked in {False, bool(setup.head_flops)}), key=lambda r: r.peak)
+                if parked.peak <= usable:
+                    fitting = [parked]
         if fitting:
             off = min(fitting, key=lambda r: r.step_cost)
             off.memory, off.slack, off._planner = memory, slack, self
             return off
         worst.memory, worst.slack, worst.fits = memory, slack, False
         worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
+        if parked is not None and parked.peak < offload.peak:  # the least this step can take, and how
+            worst.suggestions += _suggest(setup, worst, usable, self.lora, self.load_in_4bit, parked)[-1:]
         return worst
 
 
@@ -321,11 +346,22 @@ def _checked_loss(loss_fn, model, batch):
     return loss
 
 
-def _least(setup: Planner, seq, batch, offload, chunked_loss) -> Fit:
-    """The plan whose predicted peak is least, at micro-batch 1."""
+def _least(setup: Planner, seq, batch, offload, chunked_loss, host=False) -> Fit:
+    """The plan whose predicted peak is least, at micro-batch 1 (``host``: inputs on the host)."""
     prof = setup.profile(seq, 1, chunked_loss)
-    points = least_peak(prof, setup.fronts(prof, offload), setup.layout)
-    return _evaluate(setup, seq, 1, batch, points, chunked_loss=chunked_loss)
+    with _inputs_on_host(prof, host):
+        points = least_peak(prof, setup.fronts(prof, offload, host), setup.layout)
+    return _evaluate(setup, seq, 1, batch, points, chunked_loss=chunked_loss, host=host)
+
+
+@contextlib.contextmanager
+def _inputs_on_host(prof, on: bool):
+    """The profile's step terms with the blocks' inputs on the host (``Profile.step_terms``), for a while."""
+    was, prof.inputs_on_host = prof.inputs_on_host, on
+    try:
+        yield
+    finally:
+        prof.inputs_on_host = was
 
 
 def _chunk_loss(model, on):
@@ -333,14 +369,17 @@ def _chunk_loss(model, on):
     set_head(model, on)
 
 
-def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunked_loss=False) -> Fit:
-    """``points``: the plan of each block of the model."""
+def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunked_loss=False, host=False) -> Fit:
+    """``points``: the plan of each block of the model; ``host``: their inputs on the host."""
     prof = setup.profile(seq, micro_batch, chunked_loss)
-    pred = setup.predict(prof, points, exact)
+    with _inputs_on_host(prof, host):
+        pred = setup.predict(prof, points, exact)
     st = setup.static
     step = max(pred["peak"], st.step)
     head = setup.head_flops * micro_batch * seq if chunked_loss else 0  # each chunk's logits again
     recompute = sum(p.cost for p in points) + head
+    if host:  # the copies' time that the blocks' compute does not hide
+        recompute += prof.copy_exposed(setup.layout)
     forward = sum(prof.kind_of[s].forward_cost for s in (setup.layout or range(len(prof.blocks))))
     fold = FLOPS_PER_BYTE["cpu"] * 10 * st.trainable  # reading a grad and updating the fp32 buffer
     base = 3 * forward + fold
@@ -355,19 +394,22 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
     else:
         parts["optimizer update working set"] = st.step
         phase = "optimizer step"
-    host = {"optimizer state, paged (bitsandbytes)": st.paged} if st.paged else {}
+    host_inputs, host = host, {"optimizer state, paged (bitsandbytes)": st.paged} if st.paged else {}
     offloaded = sum(p.host for p in points)
     if offloaded:
         host["activations offloaded by the blocks"] = offloaded
+    if host_inputs:
+        host["block inputs (inputs_on_host)"] = sum(prof.parked_bytes(s) for s in (setup.layout or range(len(prof.blocks))))
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,
                sum(p.flops for p in points) + head,
                (batch // micro_batch) * (base + recompute), host=host,
-               offload=bool(offloaded), chunked_loss=chunked_loss)
+               offload=bool(offloaded), chunked_loss=chunked_loss, inputs_on_host=host_inputs)
 
 
 def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
-             dtype=torch.bfloat16, master_weights=False, make_batch=None, loss_fn=None, offload=False) -> Fit:
+             dtype=torch.bfloat16, master_weights=False, make_batch=None, loss_fn=None, offload=False,
+             inputs_on_host=False) -> Fit:
     """The predicted peak of a training step with a given micro-batch and checkpoint budget.
 
     Args:
@@ -379,33 +421,36 @@ def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", l
             int budgets, one per block.
         optim, lora, load_in_4bit, master_weights, make_batch, loss_fn: as for :func:`fit`.
         offload: the blocks' plans with ``gradaccel.checkpoint(..., offload=True)``.
+        inputs_on_host: the blocks' inputs wait on the host between forward and backward
+            (``checkpoint_blocks(..., inputs_on_host=True)``): stated in ``host``.
 
     Returns:
         Fit: ``peak`` and ``parts`` (accumulation steps 1).
     """
     return Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch,
-                   loss_fn).estimate(seq, micro_batch, budget, offload)
+                   loss_fn).estimate(seq, micro_batch, budget, offload, inputs_on_host)
 
 
-def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, chunked_loss=None) -> Fit | None:
+def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, chunked_loss=None, host=False) -> Fit | None:
     """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes (with
     ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``). The loss in
     chunks is tried (``chunked_loss`` None) where the model allows it and the plain loss does
     not fit or peaks at the loss."""
     if chunked_loss is None:
-        plain = _best_for(setup, seq, micro_batch, batch, usable, offload, False)
+        plain = _best_for(setup, seq, micro_batch, batch, usable, offload, False, host)
         if not setup.head_flops or (plain is not None and plain.phase != "head"):
             return plain
-        chunked = _best_for(setup, seq, micro_batch, batch, usable, offload, True)
+        chunked = _best_for(setup, seq, micro_batch, batch, usable, offload, True, host)
         return min((r for r in (plain, chunked) if r is not None), key=lambda r: r.step_cost, default=None)
     prof = setup.profile(seq, micro_batch, chunked_loss)
     room = usable - setup.static.total - setup._dequantised(prof)  # for the step's activations
     if setup.static.step > room:
         return None
-    points = least_recompute(prof, setup.fronts(prof, offload), room, layout=setup.layout)
+    with _inputs_on_host(prof, host):
+        points = least_recompute(prof, setup.fronts(prof, offload, host), room, layout=setup.layout)
     if points is None:
         return None
-    result = _evaluate(setup, seq, micro_batch, batch, points, chunked_loss=chunked_loss)
+    result = _evaluate(setup, seq, micro_batch, batch, points, chunked_loss=chunked_loss, host=host)
     return result if result.peak <= usable else None
 
 

@@ -89,7 +89,8 @@ def main(argv=None) -> int:
             head = (f"longest sequence that fits in {format_bytes(a.memory)}: {result.seq} tokens "
                     f"(device peak {format_bytes(result.peak)} + slack {format_bytes(result.slack)}, "
                     f"host {format_bytes(host)}, step time {result.time:.2f}x"
-                    + (", offload=True" if result.offload else "") + ")") if result.fits else \
+                    + (", offload=True" if result.offload else "")
+                    + (", block inputs on host" if result.inputs_on_host else "") + ")") if result.fits else \
                 f"not even {result.seq} tokens fit in {format_bytes(a.memory)}"
             if result.longer is not None:
                 head += f"; at {result.longer[0]} tokens the least peak is {format_bytes(result.longer[1])}"

@@ -354,8 +354,10 @@ def _suggest(setup, worst, usable, lora, load_in_4bit, offload=None) -> list:
         # Offload moves what blocks would keep or replay to host; their backward brings it back,
         # so it lowers the floor only by what the recompute's working set exceeds it.
         host = sum(offload.host.values())
-        what = (f"offload (checkpoint(..., offload=True)): device peak {format_bytes(offload.peak)} at micro-batch 1 "
-                f"(least without offload: {format_bytes(worst.peak)}), {format_bytes(host)} on host")
+        how = "block inputs on host (checkpoint_blocks(..., inputs_on_host=True))" if offload.inputs_on_host else \
+            "offload (checkpoint(..., offload=True))"
+        what = (f"{how}: device peak {format_bytes(offload.peak)} at micro-batch 1 "
+                f"(least without it: {format_bytes(worst.peak)}), {format_bytes(host)} on host")
         # Where it fits, the fit returns that plan itself: here it is short.
         lines.append(what + f" (short by {format_bytes(offload.peak - usable)})")
     return lines

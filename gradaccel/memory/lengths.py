@@ -346,6 +346,7 @@ def _predicted(source: LengthProfile, t: int) -> Profile:
     prof._source = source
     prof.mode, prof.model, prof.step, prof.batch = base.mode, base.model, base.step, base.batch
     prof.blocks, prof.grad_hooks, prof.trajectories, prof._terms = base.blocks, base.grad_hooks, False, {}
+    prof.pinned_inputs = base.pinned_inputs  # gradaccel/recompute/host_inputs.py keeps these blocks' inputs
     prof._length = t
     prof.kinds = []
     if source.shared.get("length") != t:  # kinds are shared within one length's planning

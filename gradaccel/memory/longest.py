@@ -18,11 +18,13 @@ __all__ = ["max_seq", "longest"]
 
 def _least_peak(planner, seq: int, batch: int) -> int:
     """The least predicted peak of a step of ``seq`` tokens: micro-batch 1, any plan, with or
-    without offload, with the model's loss or in chunks (what :meth:`Planner.fit` falls back to)."""
+    without offload, with the blocks' inputs on the host or not, with the model's loss or in
+    chunks (what :meth:`Planner.fit` falls back to)."""
     from gradaccel.memory.fit import _least
 
     heads = {False, bool(planner.head_flops)}
-    return min(_least(planner, seq, batch, off, head).peak for off in (False, True) for head in heads)
+    return min(_least(planner, seq, batch, off, head, host).peak
+               for off, host in ((False, False), (True, False), (False, True)) for head in heads)
 
 
 def longest(planner, memory, batch: int = 1, slack=None, granule: int = 1024, limit: int = 1 << 22):

@@ -192,6 +192,11 @@ class Profile:
             ``events``, each block run's in ``Kind.events``), for gradaccel/memory/lengths.py.
     """
 
+    # Block inputs parked on the host (checkpoint_blocks(inputs_on_host=True)): step_terms prices
+    # them. A class default: profiles predicted at other lengths are made without __init__.
+    inputs_on_host = False
+    pinned_inputs = frozenset()  # blocks whose input is a leaf that requires grad (run_parked keeps it)
+
     def __init__(self, model: nn.Module, step, batch, grad_hooks: bool = True, skeleton: bool = True,
                  prepare=None, trajectories: bool = False):
         RUNS[0] += 1
@@ -248,6 +253,8 @@ class Profile:
                 b.forward = f
 
     def _trace_block(self, i, forward, *args, **kwargs):
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_leaf and args[0].requires_grad:
+            self.pinned_inputs = self.pinned_inputs | {i}  # autograd holds it: never parked
         flat, _ = tree_flatten((args, kwargs))
         grads = tuple(t.requires_grad for t in flat if isinstance(t, torch.Tensor))
         kind = self.kind_of[i]
@@ -440,25 +447,60 @@ class Profile:
         blocks hold, bytes live at the phase's start)`` at keep-nothing plans.
         """
         layout = list(range(len(self.blocks))) if layout is None else list(layout)
-        key = tuple(layout)
+        key = (tuple(layout), self.inputs_on_host)
         if key in self._terms:
             return self._terms[key]
         ph, pre, held = self.phases, self.pre, self.held
+        # Inputs on the host: block i's input leaves the device when its forward ends (its private
+        # copy made for the forward is live during it) and comes back when its backward starts,
+        # with block i-1's prefetched: ``away`` bytes of inputs are off the device.
+        away, prev = 0, 0
         fixed = [(ph["pre"][1], "pre", 0, ph["pre"][0])]
         if "tail" in ph:
             fixed.append((ph["tail"][1], "tail", 0, ph["tail"][0]))
         H, blocks, fwd, bwd = pre[0], 0, [], []
         for i, s in enumerate(layout):
             H += pre[s] - (held[s - 1] if s > 0 else pre[0])
-            fwd.append((H + ph[("fwd", s)][1] - pre[s], ("fwd", i), blocks, H))
+            mine = self.parked_bytes(s) if self.inputs_on_host else 0
+            fwd.append((H - away + ph[("fwd", s)][1] - pre[s] + mine, ("fwd", i), blocks - away, H - away))
             H += held[s] - pre[s]
             blocks += held[s] - pre[s]
             start, peak = ph[("bwd", s)]
-            bwd.append((H + peak - held[s], ("bwd", i), blocks, H + start - held[s]))
+            bwd.append((H - away + prev + peak - held[s], ("bwd", i), blocks - away + prev,
+                        H - away + prev + start - held[s]))
+            away, prev = away + mine, mine
         last = len(self.blocks) - 1
-        head = (H + ph["head"][1] - held[last], "head", blocks, H + ph["head"][0] - held[last])
+        head = (H - away + ph["head"][1] - held[last], "head", blocks - away, H - away + ph["head"][0] - held[last])
         self._terms[key] = {"layout": layout, "fixed": max(fixed, key=_first), "fwd": fwd, "bwd": bwd, "head": head}
         return self._terms[key]
+
+    def parked_bytes(self, s: int) -> int:
+        """Bytes of profiled block ``s``'s input that ``inputs_on_host`` parks on the host
+        (gradaccel/recompute/host_inputs.py: its first argument, the hidden state)."""
+        from gradaccel.recompute.host_inputs import parked_bytes
+
+        args = self.kind_of[s].args
+        return parked_bytes(args[0]) if args and s not in self.pinned_inputs else 0
+
+    def host_options(self, kind: Kind, offload: bool = False) -> list:
+        """:meth:`options` with the inputs on the host: a block run as its parts keeps its input
+        on the device (it is not one checkpoint), so its kept bytes grow by it."""
+        inp = self.parked_bytes(kind.blocks[0])
+        return [dataclasses.replace(p, kept=p.kept + inp) if p.plan in (PARTS, TILES) else p
+                for p in self.options(kind, offload)]
+
+    def copy_exposed(self, layout: list | None = None) -> float:
+        """With the inputs on the host, the copies' time not hidden behind the blocks' compute, in
+        the planner's cost units, per micro-step: per block, the copy out against its forward,
+        the copy back against its backward (twice the forward), at the copy speed measured at
+        start (``offload_cost_per_byte``: a round trip, taken as half each way)."""
+        layout = list(range(len(self.blocks))) if layout is None else list(layout)
+        total = 0.0
+        for s in layout:
+            kind = self.kind_of[s]
+            one_way = offload_cost_per_byte(copy_device(kind.graph), kind.graph.cost) * self.parked_bytes(s) / 2
+            total += max(0.0, one_way - kind.forward_cost) + max(0.0, one_way - 2 * kind.forward_cost)
+        return total
 
     def need(self, terms: dict, i: int, point, exact: bool = True) -> tuple:
         """Block ``i``'s two peaks under ``point`` (its forward, its backward), in bytes above

@@ -27,6 +27,11 @@ at a time, in forward and again in backward (one more LM-head matmul, priced as 
 whole logits are never made. The training call's ``outputs.logits`` is then a stand-in that
 raises when read (gradaccel/memory/chunked_loss.py); calls without labels get real logits.
 
+Where nothing fits with the blocks' inputs on the device, **host**: every checkpointed block's
+input waits in host memory between its forward and its backward (gradaccel/recompute/host_inputs.py),
+priced by the profile's step terms (``Profile.inputs_on_host``); ``checkpoint_blocks(...,
+inputs_on_host=True)`` plans with it always.
+
 The choice is made once per input shape; outputs and gradients are those without
 checkpointing (up to the order of floating-point sums). ``gradaccel.fit`` plans with the same
 choices.
@@ -102,10 +107,12 @@ class MemoryTarget:
             model's loss, the least per-block checkpoints reach.
     """
 
-    def __init__(self, memory: int, blocks: list, model: nn.Module, seq: int | None = None):
+    def __init__(self, memory: int, blocks: list, model: nn.Module, seq: int | None = None, inputs_on_host=False):
         self.memory, self.seq = memory, seq
+        self.inputs_on_host = inputs_on_host  # the user's: every plan with the inputs on the host
         self.seen = {}
         self.chosen = {}
+        self.hosts = {}  # input signature -> whether its plan has the inputs on the host
         self.lengths = {}  # structure key -> LengthProfile (gradaccel/memory/lengths.py)
         self.first = {}  # structure key -> the first length it was called at
         self.kinds_at = {}  # block kinds predicted at the length being planned (LengthProfile's shared)
@@ -123,7 +130,7 @@ class MemoryTarget:
         # A copy of the model plans for itself. Its profiles hold fake copies of the model: a
         # deep copy would copy every one of them (and the profiler copies the model each run).
         new = copy.copy(self)
-        new.seen, new.chosen, new.lengths, new.first, new.kinds_at = {}, {}, {}, {}, {}
+        new.seen, new.chosen, new.lengths, new.first, new.kinds_at, new.hosts = {}, {}, {}, {}, {}, {}
         return new
 
     def __call__(self, module, args, kwargs):
@@ -153,10 +160,11 @@ class MemoryTarget:
             finally:
                 _busy.on = False
                 torch.clear_autocast_cache()
-            for cache in (self.seen, self.chosen):  # one entry per length seen: the oldest go first
+            for cache in (self.seen, self.chosen, self.hosts):  # one entry per length seen: the oldest go first
                 while len(cache) > SEEN:
                     cache.pop(next(iter(cache)))
         head, settings = self.seen[key]
+        host = self.hosts.get(key, False)
         if start:
             # A block that needs no checkpoint at this length runs this one call checkpointed
             # (a byte budget, as memory= sets them, that keeps everything): its region is traced,
@@ -164,7 +172,7 @@ class MemoryTarget:
             # the middle of training.
             settings = [_EVERYTHING if s is None else s for s in settings]
         # The loss computed outside the model (no labels): logits as they are.
-        self._set(module, blocks, head and kwargs.get("labels") is not None, settings)
+        self._set(module, blocks, head and kwargs.get("labels") is not None, settings, host)
         return None
 
     def _profile(self, module, args, kwargs, head, predict=True):
@@ -225,18 +233,50 @@ class MemoryTarget:
                           f"seq={self.seq}: it is profiled on fake tensors once, and the planned range grows to it",
                           UserWarning, stacklevel=6)
 
-    @staticmethod
-    def _set(model, blocks, head, settings):
+    def _set(self, model, blocks, head, settings, host=False):
         set_plans(model, blocks, head, settings)
+        for block in blocks:  # read by the checkpointed forward (either route: gradaccel/recompute/blocks.py)
+            block._gradaccel_inputs_on_host = host or self.inputs_on_host
 
     def _choose(self, module, args, kwargs, predict=True):
+        """``((head, settings), (mode, peak, floor))`` for this call, the inputs on the host
+        (``hosts``) where the user asked, or where only then a plan fits."""
+        host = self.inputs_on_host
+        plan, chosen, fits = self._plan(module, args, kwargs, predict, host)
+        if not fits and not host:
+            parked = self._plan(module, args, kwargs, predict, True)
+            if parked[2] or parked[1][1] < chosen[1]:
+                plan, chosen, fits = parked
+                host = True
+        if not fits:
+            peak = chosen[1]
+            warnings.warn(f"gradaccel.checkpoint_blocks: memory={self.memory} bytes is below the least this step can "
+                          f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors; short by "
+                          f"{peak - self.memory} bytes) at input shape {_key(args, kwargs)}; using that plan. "
+                          "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
+        self.hosts[_key(args, kwargs)] = host
+        return plan, chosen
+
+    def _plan(self, module, args, kwargs, predict, host):
+        """``((head, settings), (mode, peak, floor), fits)`` with the inputs on the host or not."""
+        profiles = []
+        try:
+            return self._plan_on(module, args, kwargs, predict, host, profiles)
+        finally:
+            for prof in profiles:  # profiles are shared (lengths): their terms are the plain ones again
+                prof.inputs_on_host = False
+
+    def _plan_on(self, module, args, kwargs, predict, host, profiles):
 
         def plan(head):
             prof = self._profile(module, args, kwargs, head, predict)
-            bare = uncheckpointed(prof, self.memory)
+            prof.inputs_on_host = host
+            profiles.append(prof)
+            # Blocks without a checkpoint park nothing: with the inputs on the host, always checkpointed.
+            bare = None if host else uncheckpointed(prof, self.memory)
             if bare is not None:
                 return prof, None, bare
-            opts = [prof.options(prof.kind_of[i]) for i in range(len(prof.blocks))]
+            opts = [(prof.host_options if host else prof.options)(prof.kind_of[i]) for i in range(len(prof.blocks))]
             return prof, opts, least_recompute(prof, opts, self.memory)
 
         tried = {False: plan(False)}
@@ -264,16 +304,14 @@ class MemoryTarget:
         if not fitting and peak > self.memory and any(hasattr(t[0], "_source") for t in tried.values()):
             # A predicted profile offers fewer plans than a profile of this length (the candidates
             # fitted across lengths): before going over the target, profile this length itself.
-            return self._choose(module, args, kwargs, predict=False)
-        if not fitting and peak > self.memory:
-            warnings.warn(f"gradaccel.checkpoint_blocks: memory={self.memory} bytes is below the least this step can "
-                          f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors; short by "
-                          f"{peak - self.memory} bytes) at input shape {_key(args, kwargs)}; using that plan. "
-                          "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
+            return self._plan_on(module, args, kwargs, False, host, profiles)
         settings = [_setting(p, prof.kind_of[i], PARTS, TILES) for i, p in enumerate(points)]
+        if host:  # a block that keeps everything is still checkpointed: that is what parks its input
+            settings = [p.budget if st is None else st for st, p in zip(settings, points)]
         used = {s for s in settings if s in (PARTS, TILES)}
-        mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", TILES in used), ("head", head)) if on)
-        return (head, settings), (mode or "blocks", peak, floor)
+        mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", TILES in used), ("head", head), ("host", host))
+                     if on)
+        return (head, settings), (mode or "blocks", peak, floor), bool(fitting) or peak <= self.memory
 
 
 def _key(args, kwargs) -> tuple:

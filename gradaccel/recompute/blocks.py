@@ -21,6 +21,7 @@ import torch.nn as nn
 # The budget rule is gradaccel.checkpoint's own, checked here too so that a bad value fails at
 # set-up rather than in the middle of the first training step.
 from gradaccel.recompute.checkpoint import _check_budget, _checkpoint, check_cost
+from gradaccel.recompute.host_inputs import run_parked
 
 __all__ = ["install", "set_budget", "release"]
 
@@ -37,8 +38,16 @@ def _checkpointed_forward(self, *args, **kwargs):
         return forward(*args, **kwargs)
     # Keyword arguments go in through partial so that names such as `use_reentrant` or `budget`
     # reach the block, not checkpoint.
-    return _checkpoint(functools.partial(forward, **kwargs), args, {}, self._gradaccel_budget,
-                       cost=getattr(self, "_gradaccel_cost", "flops"), offload=getattr(self, "_gradaccel_offload", False))
+    run = functools.partial(_checkpoint_args, functools.partial(forward, **kwargs), budget=self._gradaccel_budget,
+                            cost=getattr(self, "_gradaccel_cost", "flops"), offload=getattr(self, "_gradaccel_offload", False))
+    if getattr(self, "_gradaccel_inputs_on_host", False):
+        return run_parked(run, args)
+    return run(*args)
+
+
+def _checkpoint_args(function, *args, budget, cost, offload, kwargs=None, preserve_rng_state=True):
+    # The checkpointed call with its tensors as positional arguments, for run_parked to swap the first.
+    return _checkpoint(function, args, kwargs or {}, budget, preserve_rng_state, cost=cost, offload=offload)
 
 
 def _reduce_ex(self, protocol):
@@ -103,8 +112,8 @@ def _already_checkpointed(model, hf_models=()):
 class _HFCheckpoint:
     """The ``gradient_checkpointing_func`` handed to transformers: gradaccel.checkpoint at ``budget``."""
 
-    def __init__(self, budget, cost="flops", offload=False):
-        self.budget, self.cost, self.offload = budget, cost, offload
+    def __init__(self, budget, cost="flops", offload=False, inputs_on_host=False):
+        self.budget, self.cost, self.offload, self.inputs_on_host = budget, cost, offload, inputs_on_host
 
     def __call__(self, function, *args, **kwargs):
         layer = None
@@ -122,11 +131,15 @@ class _HFCheckpoint:
         if layer is not None and layer.__dict__.get("_gradaccel_fine"):
             return function(*args, **kwargs)  # memory= checkpoints its parts instead (gradaccel/memory/target.py)
         # checkpoint_blocks(memory=...) gives each layer its own share, in bytes.
-        return _checkpoint(function, args, kwargs, getattr(layer, "_gradaccel_budget", self.budget),
-                           preserve_rng_state, cost=self.cost, offload=getattr(layer, "_gradaccel_offload", self.offload))
+        run = functools.partial(_checkpoint_args, function, budget=getattr(layer, "_gradaccel_budget", self.budget),
+                                cost=self.cost, offload=getattr(layer, "_gradaccel_offload", self.offload), kwargs=kwargs,
+                                preserve_rng_state=preserve_rng_state)
+        if getattr(layer, "_gradaccel_inputs_on_host", self.inputs_on_host):
+            return run_parked(run, args)
+        return run(*args)
 
     def __repr__(self):
-        return f"gradaccel.checkpoint(budget={self.budget!r})"
+        return f"gradaccel.checkpoint(budget={self.budget!r}" + (", inputs_on_host=True)" if self.inputs_on_host else ")")
 
 
 def _is_torch_checkpoint(func):
@@ -160,10 +173,10 @@ def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=N
                                            every_n_layers=every_n_layers)
 
 
-def _take_over(model, budget, cost="flops", offload=False):
+def _take_over(model, budget, cost="flops", offload=False, inputs_on_host=False):
     """Makes ``model``'s HF checkpointing gradaccel's, now (keeping which layers are on, e.g.
     ``every_n_layers``) and whenever it is turned on again. Returns whether it was on."""
-    func = _HFCheckpoint(budget, cost, offload)
+    func = _HFCheckpoint(budget, cost, offload, inputs_on_host)
     model._gradaccel_checkpoint = func
     if "_set_gradient_checkpointing" not in vars(model):  # ours once; another instance override is left alone
         model._set_gradient_checkpointing = types.MethodType(_set_gradient_checkpointing, model)
@@ -208,7 +221,8 @@ def set_budget(model, budget):
     n = 0
     for m in model.modules():
         if "_gradaccel_checkpoint" in vars(m):
-            _take_over(m, budget, m._gradaccel_checkpoint.cost, m._gradaccel_checkpoint.offload)
+            f = m._gradaccel_checkpoint
+            _take_over(m, budget, f.cost, f.offload, f.inputs_on_host)
             n += 1
         elif "_gradaccel_budget" in vars(m) and getattr(type(m), "_gradaccel_subclass", None) is None:
             del m._gradaccel_budget  # an HF layer's share from memory=: the model's budget applies again
@@ -218,8 +232,8 @@ def set_budget(model, budget):
     return n
 
 
-def _hf_enable(model, budget, cost="flops", offload=False):
-    _take_over(model, budget, cost, offload)
+def _hf_enable(model, budget, cost="flops", offload=False, inputs_on_host=False):
+    _take_over(model, budget, cost, offload, inputs_on_host)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=model._gradaccel_checkpoint)
     # As transformers does: checkpointed blocks fed by frozen embeddings (adapters, PEFT) must
     # still see inputs that require grad, or nothing upstream of the first block gets a gradient.
@@ -299,7 +313,7 @@ def _find_blocks(model):
     return blocks
 
 
-def install(model, budget=None, block_types=None, cost="flops", offload=False):
+def install(model, budget=None, block_types=None, cost="flops", offload=False, inputs_on_host=False):
     """Checkpoints each repeated block of ``model`` in place at ``budget``: the mechanism of
     :func:`gradaccel.checkpoint_blocks` (which documents the arguments), without its ``memory=``
     target. Returns ``model``."""
@@ -309,6 +323,8 @@ def install(model, budget=None, block_types=None, cost="flops", offload=False):
     check_cost(cost)
     if not isinstance(offload, bool):
         raise TypeError(f"offload must be a bool, got {offload!r}")
+    if not isinstance(inputs_on_host, bool):
+        raise TypeError(f"inputs_on_host must be a bool, got {inputs_on_host!r}")
     if block_types is not None:
         block_types = _resolve_types(block_types)
     hf = _hf_models(model) if block_types is None or _is_hf_checkpointable(model) else []
@@ -324,8 +340,8 @@ def install(model, budget=None, block_types=None, cost="flops", offload=False):
         for m in hf:
             # Already on (peft's prepare_model_for_kbit_training, Trainer, TRL): take over HF's
             # function in place, keeping which layers are on; else turn it on with ours.
-            if not _take_over(m, budget, cost, offload):
-                _hf_enable(m, budget, cost, offload)
+            if not _take_over(m, budget, cost, offload, inputs_on_host):
+                _hf_enable(m, budget, cost, offload, inputs_on_host)
             elif getattr(m, "main_input_name", None) == "input_ids" or getattr(m, "_hf_peft_config_loaded", False):
                 if not getattr(m, "_require_grads_hooks", None) and not getattr(m, "_require_grads_hook", None):
                     m.enable_input_require_grads()
@@ -347,4 +363,5 @@ def install(model, budget=None, block_types=None, cost="flops", offload=False):
     for block in {id(b): b for b in blocks}.values():
         block.__class__ = _subclass_for(type(block))
         block._gradaccel_budget, block._gradaccel_cost, block._gradaccel_offload = budget, cost, offload
+        block._gradaccel_inputs_on_host = inputs_on_host
     return model
