@@ -84,8 +84,9 @@ def least_peak(prof, options: list, layout: list | None = None, units: int = 409
 def _solve(prof, terms, options, memory, units):
     """The DP: per state (units kept beyond keep-nothing by the blocks so far), the least cost
     and, of plans of equal cost, the least predicted peak so far (``D_i + need_i``, ``D`` at the
-    state's rounded bytes). Plans that recompute the same (parts and tiles at any slice count)
-    are told apart by their working set: the lower peak wins the tie."""
+    state's rounded bytes), and of those, the block's own least need. Plans that recompute the
+    same (parts and tiles at any slice count) are told apart by their working set: the lower
+    peak wins the tie."""
     if terms["fixed"][0] > memory or memory <= 0:
         return None
     unit = max(1, memory // units)
@@ -105,9 +106,11 @@ def _solve(prof, terms, options, memory, units):
         new = np.full(cap + 1, inf)
         new_peak = np.full(cap + 1, inf)
         pick = np.full(cap + 1, -1, dtype=np.int64)
-        for j, p in enumerate(opts):
+        needs = [max(prof.need(terms, i, p, exact=False)) for p in opts]
+        # Lowest own need first: of plans equal in cost and in the step's peak, the first stays.
+        for j in sorted(range(len(opts)), key=needs.__getitem__):
+            p, need = opts[j], needs[j]
             w = units_kept(i, p)
-            need = max(prof.need(terms, i, p, exact=False))
             room = memory - need
             if room < 0 or w > cap:
                 continue
