@@ -1,7 +1,9 @@
 """The `longctx` suite: one small Hugging Face Llama trained at long contexts, 2K to 8K tokens.
 
 The model: 4 layers, hidden 256, MLP 1024, 4 heads, vocabulary 512, sdpa, fp32, batch 1 (the
-issue 28 model, with a narrower MLP so that the suite runs in minutes on 2 cores). At each length
+issue 28 model, with a narrower MLP so that the suite runs in minutes on 2 cores); and then the
+issue's own model (MLP 2048) at 8K tokens, with no checkpointing, HF checkpointing and the
+``memory=`` plan only (case ``... i2048 T8192``, not plotted). At each length
 every variant runs on its own copy of the same weights, with the same tokens:
 
 - ``torch-nockpt``: no checkpointing;
@@ -49,6 +51,11 @@ def _config():
     if tiny():
         return dict(hidden=64, inter=128, layers=2, heads=2, vocab=128, lengths=(64, 128))
     return dict(hidden=256, inter=1024, layers=4, heads=4, vocab=512, lengths=(2048, 4096, 8192))
+
+
+# Issue 28's model and length as it states them (MLP 2048): one more case, three variants.
+ISSUE = dict(hidden=256, inter=2048, layers=4, heads=4, vocab=512, lengths=(8192,))
+ISSUE_VARIANTS = ["torch-nockpt", "torch-hf-ckpt", "gradaccel-memory"]
 
 
 def _model(c, device):
@@ -116,7 +123,9 @@ def _grad_err(model, reference) -> float:
 
 
 def run(device: str, quick: bool) -> list[dict]:
-    """Every length and variant on ``device`` (see the module docstring).
+    """Every length and variant on ``device`` (see the module docstring), then issue 28's own
+    case (``ISSUE``: the MLP twice as wide, 8K tokens; HF checkpointing and the ``memory=`` plan,
+    beside no checkpointing for the gradients).
 
     Returns:
         rows made by ``bench.common.row``.
@@ -127,32 +136,43 @@ def run(device: str, quick: bool) -> list[dict]:
     lengths = c["lengths"]
     gen = torch.Generator().manual_seed(0)
     for i, t in enumerate(lengths, 1):
-        case = f"llama{c['layers']}x h{c['hidden']} T{t}"
-        progress(case, i, len(lengths))
-        ids = torch.randint(0, c["vocab"], (1, t), generator=gen).to(device)
-        inputs = dict(input_ids=ids, labels=ids, use_cache=False)
-        gradaccel.reset_plans()
-        reference, target, measured = None, None, {}
-        for name in VARIANTS:
-            model = _variant(name, base, target)
-            if name.startswith("gradaccel"):
-                _step(model, inputs)  # its trace, or its target's profile and plan
-            peak, seconds = _measured(model, inputs)
-            if name == "torch-nockpt":
-                reference = {n: p.grad.clone() for n, p in model.named_parameters()}
-            if name == "torch-hf-ckpt":
-                target = int(TARGET_SHARE * peak)
-            rows += [row(SUITE, case, name, "peak_bytes", peak, "B", device),
-                     row(SUITE, case, name, "time", seconds, "s", device),
-                     row(SUITE, case, name, "grad_rel_err", _grad_err(model, reference), "", device)]
-            measured[name] = peak
-            if name == "gradaccel-memory":
-                predicted = dict(zip(("gradaccel-memory", "gradaccel-keepleast"), _predicted(model, inputs)))
-                for v, p in predicted.items():
+        progress(f"llama{c['layers']}x h{c['hidden']} T{t}", i, len(lengths) + 1)
+        rows += _case(f"llama{c['layers']}x h{c['hidden']} T{t}", base, c, t, VARIANTS, gen, device)
+    if not tiny():
+        c = ISSUE
+        case = f"llama{c['layers']}x h{c['hidden']} i{c['inter']} T{c['lengths'][0]}"
+        progress(case, len(lengths) + 1, len(lengths) + 1)
+        rows += _case(case, _model(c, device), c, c["lengths"][0], ISSUE_VARIANTS, gen, device)
+    return rows
+
+
+def _case(case, base, c, t, variants, gen, device) -> list[dict]:
+    """One length: each of ``variants`` on its own copy of ``base``, the same tokens."""
+    ids = torch.randint(0, c["vocab"], (1, t), generator=gen).to(device)
+    inputs = dict(input_ids=ids, labels=ids, use_cache=False)
+    gradaccel.reset_plans()
+    reference, target, measured, rows = None, None, {}, []
+    for name in variants:
+        model = _variant(name, base, target)
+        if name.startswith("gradaccel"):
+            _step(model, inputs)  # its trace, or its target's profile and plan
+        peak, seconds = _measured(model, inputs)
+        if name == "torch-nockpt":
+            reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if name == "torch-hf-ckpt":
+            target = int(TARGET_SHARE * peak)
+        rows += [row(SUITE, case, name, "peak_bytes", peak, "B", device),
+                 row(SUITE, case, name, "time", seconds, "s", device),
+                 row(SUITE, case, name, "grad_rel_err", _grad_err(model, reference), "", device)]
+        measured[name] = peak
+        if name == "gradaccel-memory":
+            predicted = dict(zip(("gradaccel-memory", "gradaccel-keepleast"), _predicted(model, inputs)))
+            for v, p in predicted.items():
+                if v in measured:
                     rows += [row(SUITE, case, v, "predicted_peak", p, "B", device),
                              row(SUITE, case, v, "peak_vs_predicted", measured[v] / p, "x", device)]
-                rows.append(row(SUITE, case, name, "peak_vs_target", peak / target, "x", device))
-            del model
+            rows.append(row(SUITE, case, name, "peak_vs_target", peak / target, "x", device))
+        del model
     return rows
 
 
@@ -172,6 +192,8 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
     by = {}
     for r in rows:
+        if " i" in r["case"]:  # issue 28's own case (another model) is in the table, not the plot
+            continue
         by.setdefault((r["variant"], r["metric"]), []).append((_length(r["case"]), r["value"]))
     for name in VARIANTS:
         pts = sorted(by.get((name, "peak_bytes"), []))

@@ -36,7 +36,8 @@ from gradaccel.memory.counter import check_count, format_bytes, parse_bytes
 from gradaccel.memory.fixed_parts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
                                           load_config, static_parts)
 from gradaccel.memory.presets import PRESETS
-from gradaccel.memory.profile import KEEP_ALL, PARTS, TILES, Profile, find_blocks
+from gradaccel.memory.parts import is_parts, slices_of, structure_notes
+from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute
 from gradaccel.memory.target import set_plans
 from gradaccel.recompute import blocks as blocks_mod
@@ -54,7 +55,7 @@ class Fit:
     seq: int
     micro_batch: int
     accum_steps: int
-    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint, or "parts" / "tiles"
+    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint, or "parts" / "tiles:n"
     kept: int  # bytes the blocks keep in total beyond their inputs
     peak: int  # predicted peak of the step, slack excluded
     parts: dict  # what the peak is made of (bytes)
@@ -72,6 +73,7 @@ class Fit:
     chunked_loss: bool = False  # the LM loss in chunks, no whole logits made (gradaccel/memory/chunked_loss.py)
     options: list = dataclasses.field(default_factory=list)  # other plans worth knowing (Fit each)
     longer: tuple | None = None  # max_seq: (the first length found not to fit, its least predicted peak)
+    parts_notes: list = dataclasses.field(default_factory=list)  # how blocks run as parts (parts.structure_notes)
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
         """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
@@ -114,6 +116,7 @@ class Fit:
                  + (f", block inputs on host ({format_bytes(host)} on host)" if self.inputs_on_host else "")
                  + ("" if self.fits else "  (DOES NOT FIT)"),
                  f"blocks: {self.modes()}",
+                 *(f"parts: {n}" for n in self.parts_notes),
                  f"blocks keep {format_bytes(self.kept)} beyond their inputs; recompute "
                  f"{self.recompute_flops / 1e12:.2f} TFLOP per micro-batch; step time "
                  f"{self.time:.2f}x of no checkpointing (planner's cost model)",
@@ -135,8 +138,9 @@ class Fit:
     def modes(self) -> str:
         """Each block's plan, runs of equal plans together: "0-13: budget 1.00 KiB; 14-31: parts"."""
         def name(b):
-            if b in (PARTS, TILES):
-                return {PARTS: "parts", TILES: "parts, MLP in tiles"}[b]
+            if is_parts(b):
+                n = slices_of(b)
+                return "parts" if n == 1 else f"parts, MLP in {n} slices of {-(-self.seq // n)} tokens"
             if b is None or b == KEEP_ALL:
                 return "no checkpoint"
             kind, b = b if isinstance(b, tuple) else ("", b)
@@ -400,11 +404,14 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
         host["activations offloaded by the blocks"] = offloaded
     if host_inputs:
         host["block inputs (inputs_on_host)"] = sum(prof.parked_bytes(s) for s in (setup.layout or range(len(prof.blocks))))
+    layout = setup.layout or range(len(prof.blocks))
+    notes = list(dict.fromkeys(n for s, p in zip(layout, points) if is_parts(p.budget)
+                               for n in structure_notes(prof.blocks[s])))
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,
                sum(p.flops for p in points) + head,
                (batch // micro_batch) * (base + recompute), host=host,
-               offload=bool(offloaded), chunked_loss=chunked_loss, inputs_on_host=host_inputs)
+               offload=bool(offloaded), chunked_loss=chunked_loss, inputs_on_host=host_inputs, parts_notes=notes)
 
 
 def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,

@@ -3,6 +3,7 @@ tensors, LoRA adapters as peft makes them) and the fixed parts of a training ste
 window buffer, optimizer state and masters, and the update's working set). See gradaccel/memory/fit.py.
 """
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -30,12 +31,22 @@ _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 # -- models ------------------------------------------------------------------------------------
 def hf_step(model, batch):
     """A causal LM's training forward: ``model(input_ids, labels).loss``, without a KV cache
-    (checkpointed layers drop it in training anyway). Sequences are not packed: under fake
-    tensors transformers cannot read that from the positions, and would build a dense mask."""
-    import transformers.masking_utils as masking
-
-    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
+    (checkpointed layers drop it in training anyway), sequences not packed (:func:`unpacked`)."""
+    with unpacked():
         return model(**batch, use_cache=False).loss
+
+
+def unpacked():
+    """A context in which transformers takes sequences as not packed: under fake tensors it
+    cannot read that from the positions, and would build a dense (T x T) mask that the real
+    run does not make. A no-op without transformers."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(masking, "find_packed_sequence_indices"):
+        return contextlib.nullcontext()
+    return mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None)
 
 
 def load_config(spec):

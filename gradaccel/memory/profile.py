@@ -31,13 +31,14 @@ from gradaccel.recompute.state import STATE
 from gradaccel.recompute.trace import DataReads, Graph
 from gradaccel.recompute.checkpoint import _Region, _plain
 from gradaccel.memory.counter import LiveBytes, Trajectory
-from gradaccel.memory.parts import has_parts, has_tiles, set_parts
+from gradaccel.memory.parts import check_structure, has_parts, has_tiles, is_parts, set_parts, slice_counts, slices_of, tiles
 from gradaccel.recompute.blocks import _find_blocks, _find_by_type
 
 KEEP_ALL = "all"  # the plan of a block run without checkpointing
 # Plans that are not a checkpoint of the block (gradaccel/memory/target.py): the block runs
 # uncheckpointed and each of its children as a keep-nothing checkpoint (PARTS); and its
-# token-wise children (MLPs) a chunk of tokens at a time (TILES).
+# token-wise children (MLPs) a slice of tokens at a time (TILES: the plans "tiles:n", n slices;
+# gradaccel/memory/parts.py).
 PARTS, TILES = "parts", "tiles"
 RUNS = [0]  # fake-tensor profiles made in this process (one per Profile): what planning costs
 
@@ -408,7 +409,7 @@ class Profile:
         kept plus what replay makes, offset as measured at the keep-nothing plan) and the
         backward with every activation present (measured with nothing dropped). Parts plans
         are run (once per kind)."""
-        if point.plan in (PARTS, TILES):
+        if is_parts(point.plan):
             return self.block_peak(kind, point)
         zero = kind.zero
         at_zero = self.block_peak(kind, zero)
@@ -422,18 +423,24 @@ class Profile:
         where the block has parts, the parts plans. Those recompute what keep-least does and
         keep more (their parts' inputs), but rebuild one part at a time, so backward's working
         set is smaller: a filter on kept bytes would drop them, the split on the peak's terms
-        (gradaccel/memory/split.py) weighs them."""
+        (gradaccel/memory/split.py) weighs them. Tiles are offered at a few slice counts
+        (``parts.slice_counts`` of the block's tokens: the slice is the split's choice)."""
         if kind._options is None:
 
             block, zero = self.blocks[kind.blocks[0]], kind.zero
             self.block_peak(kind, zero)
             kind._options = []
-            for plan, ok in ((PARTS, has_parts(block)), (TILES, has_tiles(block))):
-                if ok:
-                    point = Point(plan, zero.kept, zero.cost, zero.flops, 0, plan)
-                    self.block_peak(kind, point)
-                    point.kept += kind._peaks[plan][2] - kind._peaks[zero.key][2]  # held after forward
-                    kind._options.append(point)
+            plans = [PARTS] if has_parts(block) else []
+            if plans:
+                with self.mode:  # which norms may run inside their consumer (parts.check_structure)
+                    check_structure(block, kind.args, kind.kwargs)
+                if has_tiles(block):
+                    plans += [tiles(n) for n in slice_counts(_tokens(kind))]
+            for plan in plans:
+                point = Point(plan, zero.kept, zero.cost, zero.flops, 0, plan)
+                self.block_peak(kind, point)
+                point.kept += kind._peaks[plan][2] - kind._peaks[zero.key][2]  # held after forward
+                kind._options.append(point)
         return (kind.offload_frontier if offload else kind.frontier) + kind._options
 
     # -- composing a step --------------------------------------------------------------------
@@ -511,7 +518,7 @@ class Profile:
         ``K`` to everything after its forward until its backward (its own backward included)."""
         kind = self.kind_of[terms["layout"][i]]
         dk = point.kept - kind.zero.kept
-        if exact:
+        if exact or is_parts(point.plan):  # parts plans are run anyway; their forward holds less
             grow = self.block_forward_peak(kind, point) - self.block_forward_peak(kind, kind.zero)
         else:
             grow = dk
@@ -566,6 +573,12 @@ class _Traced(Exception):
 
 def _first(x):
     return x[0]
+
+
+def _tokens(kind) -> int:
+    """The sequence length of a block's first tensor input ``(batch, tokens, width)``."""
+    x = next(t for t in tree_flatten((kind.args, kind.kwargs))[0] if isinstance(t, torch.Tensor))
+    return x.shape[-2] if x.dim() >= 2 else 1
 
 
 def _plain_forward(block):
@@ -639,10 +652,10 @@ _FAKE_STORE = _FakeStore()  # only its presence matters to the planner: it asks 
 def _run_plan(forward, plan, args, kwargs):
     if plan == KEEP_ALL:
         return forward(*args, **kwargs)
-    if plan in (PARTS, TILES):
+    if is_parts(plan):
 
         block = forward.__self__
-        set_parts(block, True, plan == TILES)  # the children's checkpoints rerun their plain forwards
+        set_parts(block, True, slices_of(plan))  # the children's checkpoints rerun their plain forwards
         try:
             return forward(*args, **kwargs)
         finally:

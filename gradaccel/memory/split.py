@@ -82,6 +82,11 @@ def least_peak(prof, options: list, layout: list | None = None, units: int = 409
 
 
 def _solve(prof, terms, options, memory, units):
+    """The DP: per state (units kept beyond keep-nothing by the blocks so far), the least cost
+    and, of plans of equal cost, the least predicted peak so far (``D_i + need_i``, ``D`` at the
+    state's rounded bytes), and of those, the block's own least need. Plans that recompute the
+    same (parts and tiles at any slice count) are told apart by their working set: the lower
+    peak wins the tie."""
     if terms["fixed"][0] > memory or memory <= 0:
         return None
     unit = max(1, memory // units)
@@ -89,31 +94,43 @@ def _solve(prof, terms, options, memory, units):
     inf = float("inf")
     best = np.full(cap + 1, inf)
     best[0] = 0.0  # best[u]: least cost so far with the blocks so far keeping u units beyond keep-nothing
+    peak = np.full(cap + 1, inf)
+    peak[0] = 0.0  # peak[u]: of best[u]'s plans, the least predicted peak so far
+    at = np.arange(cap + 1, dtype=np.float64) * unit  # the bytes kept at each state
+
     def units_kept(i, p):  # what block i keeps beyond keep-nothing, in units, rounded up
         return -(-max(0, p.kept - prof.kind_of[terms["layout"][i]].zero.kept) // unit)
 
     picks = []
     for i, opts in enumerate(options):
         new = np.full(cap + 1, inf)
+        new_peak = np.full(cap + 1, inf)
         pick = np.full(cap + 1, -1, dtype=np.int64)
-        for j, p in enumerate(opts):
+        needs = [max(prof.need(terms, i, p, exact=False)) for p in opts]
+        # Lowest own need first: of plans equal in cost and in the step's peak, the first stays.
+        for j in sorted(range(len(opts)), key=needs.__getitem__):
+            p, need = opts[j], needs[j]
             w = units_kept(i, p)
-            room = memory - max(prof.need(terms, i, p, exact=False))
+            room = memory - need
             if room < 0 or w > cap:
                 continue
             top = min(room // unit, cap - w)  # states that may run this plan (u * unit >= the bytes kept)
             cand = best[:top + 1] + p.cost
-            view = new[w:w + top + 1]
-            better = cand < view
+            cand_peak = np.maximum(peak[:top + 1], at[:top + 1] + need)
+            view, view_peak = new[w:w + top + 1], new_peak[w:w + top + 1]
+            better = (cand < view) | ((cand == view) & (cand_peak < view_peak))
             view[better] = cand[better]
+            view_peak[better] = cand_peak[better]
             pick[w:w + top + 1][better] = j
-        best = new
+        best, peak = new, new_peak
         picks.append(pick)
     head = terms["head"][0]
     ok = np.arange(cap + 1) * unit + head <= memory
     if not np.isfinite(best[ok]).any():
         return None
-    u = int(np.flatnonzero(ok)[np.argmin(best[ok])])  # least cost; of equal ones, the least memory
+    states = np.flatnonzero(ok)
+    final = np.maximum(peak[states], at[states] + head)
+    u = int(states[np.lexsort((final, best[states]))[0]])  # least cost; of equal ones, the least peak
     out = []
     for i in reversed(range(len(options))):
         p = options[i][int(picks[i][u])]

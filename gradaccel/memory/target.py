@@ -17,8 +17,13 @@ A block may run:
   checkpoint of its own. It recomputes what keep-least does and holds its parts' inputs instead
   of one, but backward rebuilds one part at a time, not the whole block at once while every
   gradient made so far is alive: below keep-least's floor, that working set is what counts;
-- **tiles**: parts, with each token-wise part (an MLP of linear layers) a quarter of the tokens
-  at a time, each its own checkpoint: backward rebuilds a quarter of its intermediates at once.
+- **tiles** (``"tiles:n"``): parts, with each token-wise part (an MLP of linear layers, with
+  its norm where that is safe) ``n`` slices of the tokens at a time, each its own checkpoint:
+  backward rebuilds one slice's intermediates at once. ``n`` is the split's choice among a few
+  (gradaccel/memory/parts.py's ``slice_counts``); of plans that recompute the same, the one
+  with the lower predicted peak is taken.
+  In both, a norm whose output only feeds the next part runs inside that part's checkpoint
+  (gradaccel/memory/parts.py), so the block holds its residual stream's inputs, not each part's.
 
 And where the model's loss does not fit or the peak is at the loss, **head**: for a Hugging
 Face causal LM whose loss is the stock ``ForCausalLMLoss``, the loss is computed by
@@ -45,10 +50,11 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from gradaccel.memory.fixed_parts import unpacked
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
-from gradaccel.memory.parts import install_parts, set_parts
+from gradaccel.memory.parts import install_parts, is_parts, set_parts, slices_of
 from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
-from gradaccel.memory.profile import KEEP_ALL, PARTS, TILES, Profile, find_blocks
+from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute, uncheckpointed
 
 __all__ = ["MemoryTarget", "set_plans"]
@@ -73,21 +79,22 @@ def _loss_of(out):
 
 def _step(model, batch):
     args, kwargs = batch
-    return _loss_of(model(*args, **kwargs))
+    with unpacked():  # as fit's hf_step: no dense mask that only fake tensors would make
+        return _loss_of(model(*args, **kwargs))
 
 
 def set_plans(model: nn.Module, blocks: list, chunked_loss: bool, settings: list) -> None:
     """Sets what each of ``model``'s checkpointed ``blocks`` runs: ``settings[i]`` is block
-    ``i``'s int budget, None (uncheckpointed), or PARTS / TILES (gradaccel/memory/profile.py); and the
+    ``i``'s int budget, None (uncheckpointed), or ``"parts"`` / ``"tiles:n"`` (gradaccel/memory/parts.py); and the
     loss in chunks on or off (the head must be installed to turn it on)."""
 
     for block, s in zip(blocks, settings):
-        if s in (PARTS, TILES):
+        if is_parts(s):
             install_parts(block)
-        set_parts(block, s in (PARTS, TILES), s == TILES)
+        set_parts(block, is_parts(s), slices_of(s))
         if s is None:  # a plan that recomputes nothing: no checkpoint, and none of its cost
             block._gradaccel_fine = True
-        elif s not in (PARTS, TILES):
+        elif not is_parts(s):
             block._gradaccel_budget = s
     set_head(model, chunked_loss)
 
@@ -102,7 +109,7 @@ class MemoryTarget:
         chosen: input signature -> ``(mode, predicted peak, floor)``; mode is ``"blocks"`` when
             every block runs a checkpoint plan (or none) and the loss is the model's, else a
             tuple of what the plan also uses: ``"parts"`` (blocks run as their parts),
-            ``"tiles"`` (MLPs a chunk of tokens at a time), ``"head"`` (the loss in chunks);
+            ``"tiles"`` (MLPs a slice of tokens at a time), ``"head"`` (the loss in chunks);
             ``floor`` is the predicted peak with every block at its keep-least plan and the
             model's loss, the least per-block checkpoints reach.
     """
@@ -305,12 +312,12 @@ class MemoryTarget:
             # A predicted profile offers fewer plans than a profile of this length (the candidates
             # fitted across lengths): before going over the target, profile this length itself.
             return self._plan_on(module, args, kwargs, False, host, profiles)
-        settings = [_setting(p, prof.kind_of[i], PARTS, TILES) for i, p in enumerate(points)]
+        settings = [_setting(p, prof.kind_of[i]) for i, p in enumerate(points)]
         if host:  # a block that keeps everything is still checkpointed: that is what parks its input
             settings = [p.budget if st is None else st for st, p in zip(settings, points)]
-        used = {s for s in settings if s in (PARTS, TILES)}
-        mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", TILES in used), ("head", head), ("host", host))
-                     if on)
+        used = {slices_of(s) for s in settings if is_parts(s)}
+        mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", max(used, default=1) > 1), ("head", head),
+                                     ("host", host)) if on)
         return (head, settings), (mode or "blocks", peak, floor), bool(fitting) or peak <= self.memory
 
 
@@ -326,9 +333,9 @@ class _Unprofiled:
         self.failed = reason
 
 
-def _setting(point, kind, *parts_plans):
+def _setting(point, kind):
     """What :meth:`MemoryTarget._set` sets a block to for ``point``."""
-    if point.plan in parts_plans:
+    if is_parts(point.plan):
         return point.plan
     if point.plan == KEEP_ALL or point.cost == 0 and point is kind.frontier[-1]:
         return None  # recomputes nothing: no checkpoint, and none of its cost

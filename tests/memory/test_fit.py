@@ -155,6 +155,7 @@ def test_fit_runs_blocks_as_their_parts_below_the_checkpoint_floor():
     real peak stays under the target and within 10% of the prediction."""
     from gradaccel.memory.split import least_peak
     from gradaccel.memory.fit import _least
+    from gradaccel.memory.parts import is_parts
 
     gradaccel.reset_plans()
     shape, seq = (64, 176, 3, 8, 2, 128), 192
@@ -166,7 +167,7 @@ def test_fit_runs_blocks_as_their_parts_below_the_checkpoint_floor():
     assert lowest < checkpoints, (lowest, checkpoints)
     memory = (lowest + checkpoints) // 2
     result = planner.fit(seq, 1, memory, slack=0)
-    assert result.fits and any(b in ("parts", "tiles") for b in result.budgets), result.table()
+    assert result.fits and any(is_parts(b) for b in result.budgets), result.table()
     blocks_line = result.table().splitlines()[1]  # the mode of each block
     assert blocks_line.startswith("blocks: ") and "parts" in blocks_line, result.table()
     model = _model(shape).train()
