@@ -36,7 +36,7 @@ from gradaccel.memory.counter import check_count, format_bytes, parse_bytes
 from gradaccel.memory.fixed_parts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
                                           load_config, static_parts)
 from gradaccel.memory.presets import PRESETS
-from gradaccel.memory.parts import is_parts, slices_of, structure_notes
+from gradaccel.memory.parts import is_nested, slices_of, structure_notes
 from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute
 from gradaccel.memory.target import set_plans
@@ -138,9 +138,10 @@ class Fit:
     def modes(self) -> str:
         """Each block's plan, runs of equal plans together: "0-13: budget 1.00 KiB; 14-31: parts"."""
         def name(b):
-            if is_parts(b):
-                n = slices_of(b)
-                return "parts" if n == 1 else f"parts, MLP in {n} slices of {-(-self.seq // n)} tokens"
+            n = slices_of(b)
+            if n:
+                mlp = "" if n == 1 else f", MLP in {n} slices of {-(-self.seq // n)} tokens"
+                return ("keep nothing, rebuilt as parts" if is_nested(b) else "parts") + mlp
             if b is None or b == KEEP_ALL:
                 return "no checkpoint"
             kind, b = b if isinstance(b, tuple) else ("", b)
@@ -405,7 +406,7 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
     if host_inputs:
         host["block inputs (inputs_on_host)"] = sum(prof.parked_bytes(s) for s in (setup.layout or range(len(prof.blocks))))
     layout = setup.layout or range(len(prof.blocks))
-    notes = list(dict.fromkeys(n for s, p in zip(layout, points) if is_parts(p.budget)
+    notes = list(dict.fromkeys(n for s, p in zip(layout, points) if slices_of(p.budget) > 0
                                for n in structure_notes(prof.blocks[s])))
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,

@@ -17,6 +17,15 @@ may join is checked once per block structure (:func:`check_structure`, on fake t
 profile): its output must go, as one argument, to the very next part, and to nothing else (no
 other op, not the block's output). Where that does not hold, the norm stays a part of its own,
 and :func:`structure_notes` says why.
+
+**Parts inside a keep-nothing checkpoint** (``"nested:n"``). Parts and tiles hold their parts'
+inputs (2 hidden states for a Llama block) from forward to backward, and those inputs stay on
+the device. A nested plan checkpoints the block whole, as keep-nothing does (it holds its input
+alone, which ``inputs_on_host`` can park on the host), and runs its parts inside that
+checkpoint: backward's recompute of the block then holds only its parts' inputs, and rebuilds
+one part (one slice) at a time. It pays one more forward of the block than keep-nothing (the
+parts are rebuilt again inside the recompute), and its backward peak is the parts' at long
+context, not the whole block's.
 """
 
 import functools
@@ -28,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["has_parts", "has_tiles", "install_parts", "set_parts", "slice_counts", "slices_of", "tiles",
-           "is_parts", "check_structure", "structure_notes"]
+           "nested", "is_nested", "is_parts", "check_structure", "structure_notes"]
 
 TILE_CHUNKS = 4  # slices offered where the sequence is too short for MIN_SLICE-token slices
 MIN_SLICE = 1024  # tokens: shorter slices make small matmuls and save little more
@@ -41,19 +50,32 @@ def tiles(n: int) -> str:
     return f"tiles:{int(n)}"
 
 
+def nested(n: int) -> str:
+    """The plan name of a keep-nothing checkpoint of the block whose recompute runs its parts,
+    token-wise parts in ``n`` slices: ``"nested:n"``."""
+    return f"nested:{int(n)}"
+
+
 def slices_of(setting) -> int:
-    """Slices of a parts plan's token-wise parts: 1 for ``"parts"``, ``n`` for ``"tiles:n"``,
-    0 for any other setting (a checkpoint budget, None, "all")."""
+    """Slices of a parts plan's token-wise parts: 1 for ``"parts"``, ``n`` for ``"tiles:n"`` and
+    ``"nested:n"``, 0 for any other setting (a checkpoint budget, None, "all")."""
     if setting == PARTS:
         return 1
-    if isinstance(setting, str) and setting.startswith("tiles:"):
-        return int(setting[6:])
+    for prefix in ("tiles:", "nested:"):
+        if isinstance(setting, str) and setting.startswith(prefix):
+            return int(setting[len(prefix):])
     return 0
 
 
+def is_nested(setting) -> bool:
+    """Whether ``setting`` is a keep-nothing checkpoint of the block around its parts (``"nested:n"``)."""
+    return isinstance(setting, str) and setting.startswith("nested:")
+
+
 def is_parts(setting) -> bool:
-    """Whether ``setting`` runs a block as its parts (``"parts"`` or ``"tiles:n"``)."""
-    return slices_of(setting) > 0
+    """Whether ``setting`` runs a block as its parts, uncheckpointed itself (``"parts"`` or
+    ``"tiles:n"``; a nested plan checkpoints the block: :func:`is_nested`)."""
+    return slices_of(setting) > 0 and not is_nested(setting)
 
 
 def slice_counts(tokens: int) -> list:
@@ -153,14 +175,16 @@ def install_parts(block: nn.Module) -> None:
             child.forward = functools.partial(_part_forward, child)
 
 
-def set_parts(block: nn.Module, on: bool, slices: int = 1) -> None:
-    """``on``: ``block`` runs uncheckpointed and its children as keep-nothing checkpoints, each
-    norm inside its consumer's where :func:`check_structure` found that safe; ``slices``: its
-    token-wise children (MLPs) that many slices of tokens at a time (``True``: TILE_CHUNKS)."""
+def set_parts(block: nn.Module, on: bool, slices: int = 1, whole: bool = False) -> None:
+    """``on``: ``block``'s children run as keep-nothing checkpoints, each norm inside its
+    consumer's where :func:`check_structure` found that safe, and the block itself runs
+    uncheckpointed (``whole``: checkpointed still, the parts inside it: a nested plan);
+    ``slices``: its token-wise children (MLPs) that many slices of tokens at a time (``True``:
+    TILE_CHUNKS)."""
     slices = TILE_CHUNKS if slices is True else max(1, int(slices or 1))
     if on:
         install_parts(block)
-    block._gradaccel_fine = on
+    block._gradaccel_fine = on and not whole
     named = dict(block.named_children())
     joins = _STRUCTURES.get(_structure_key(block), ([], []))[0] if on else []
     for child in _parts_of(block):

@@ -22,6 +22,7 @@ import functools
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -31,7 +32,8 @@ from gradaccel.recompute.state import STATE
 from gradaccel.recompute.trace import DataReads, Graph
 from gradaccel.recompute.checkpoint import _Region, _plain
 from gradaccel.memory.counter import LiveBytes, Trajectory
-from gradaccel.memory.parts import check_structure, has_parts, has_tiles, is_parts, set_parts, slice_counts, slices_of, tiles
+from gradaccel.memory.parts import (check_structure, has_parts, has_tiles, is_nested, is_parts, nested, set_parts,
+                                    slice_counts, slices_of, tiles)
 from gradaccel.recompute.blocks import _find_blocks, _find_by_type
 
 KEEP_ALL = "all"  # the plan of a block run without checkpointing
@@ -409,7 +411,7 @@ class Profile:
         kept plus what replay makes, offset as measured at the keep-nothing plan) and the
         backward with every activation present (measured with nothing dropped). Parts plans
         are run (once per kind)."""
-        if is_parts(point.plan):
+        if slices_of(point.plan) > 0:
             return self.block_peak(kind, point)
         zero = kind.zero
         at_zero = self.block_peak(kind, zero)
@@ -434,10 +436,15 @@ class Profile:
             if plans:
                 with self.mode:  # which norms may run inside their consumer (parts.check_structure)
                     check_structure(block, kind.args, kind.kwargs)
-                if has_tiles(block):
-                    plans += [tiles(n) for n in slice_counts(_tokens(kind))]
+                counts = slice_counts(_tokens(kind)) if has_tiles(block) else []
+                plans += [tiles(n) for n in counts]
+                # Parts inside a keep-nothing checkpoint: at the finest slices (their peak is the
+                # least; what they hold is the block's input alone, whatever the slices).
+                plans.append(nested(max(counts, default=1)))
             for plan in plans:
-                point = Point(plan, zero.kept, zero.cost, zero.flops, 0, plan)
+                # A nested plan rebuilds the block in backward, and the parts once more in it.
+                twice = 2 if is_nested(plan) else 1
+                point = Point(plan, zero.kept, twice * zero.cost, twice * zero.flops, 0, plan)
                 self.block_peak(kind, point)
                 point.kept += kind._peaks[plan][2] - kind._peaks[zero.key][2]  # held after forward
                 kind._options.append(point)
@@ -493,7 +500,7 @@ class Profile:
         """:meth:`options` with the inputs on the host: a block run as its parts keeps its input
         on the device (it is not one checkpoint), so its kept bytes grow by it."""
         inp = self.parked_bytes(kind.blocks[0])
-        return [dataclasses.replace(p, kept=p.kept + inp) if p.plan in (PARTS, TILES) else p
+        return [dataclasses.replace(p, kept=p.kept + inp) if is_parts(p.plan) else p
                 for p in self.options(kind, offload)]
 
     def copy_exposed(self, layout: list | None = None) -> float:
@@ -518,7 +525,7 @@ class Profile:
         ``K`` to everything after its forward until its backward (its own backward included)."""
         kind = self.kind_of[terms["layout"][i]]
         dk = point.kept - kind.zero.kept
-        if exact or is_parts(point.plan):  # parts plans are run anyway; their forward holds less
+        if exact or slices_of(point.plan) > 0:  # parts plans are run anyway; their forward holds less
             grow = self.block_forward_peak(kind, point) - self.block_forward_peak(kind, kind.zero)
         else:
             grow = dk
@@ -652,14 +659,21 @@ _FAKE_STORE = _FakeStore()  # only its presence matters to the planner: it asks 
 def _run_plan(forward, plan, args, kwargs):
     if plan == KEEP_ALL:
         return forward(*args, **kwargs)
-    if is_parts(plan):
-
+    if slices_of(plan) > 0:
         block = forward.__self__
-        set_parts(block, True, slices_of(plan))  # the children's checkpoints rerun their plain forwards
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            set_parts(block, False)
+
+        def parts(*a, **k):  # the children's checkpoints rerun their plain forwards
+            set_parts(block, True, slices_of(plan), whole=is_nested(plan))
+            try:
+                return forward(*a, **k)
+            finally:
+                set_parts(block, False)
+
+        # A nested plan's block is one keep-nothing checkpoint around its parts (budget 0 is
+        # torch.utils.checkpoint): its recompute in backward runs the parts again.
+        if is_nested(plan):
+            return _tc.checkpoint(parts, *args, use_reentrant=False, **kwargs)
+        return parts(*args, **kwargs)
     flat, _ = tree_flatten((args, kwargs))
     rng = capture_rng(plan.graph.devices) if plan.needs_rng else None
     if plan.offloaded:

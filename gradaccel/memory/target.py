@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel.memory.fixed_parts import unpacked
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
-from gradaccel.memory.parts import install_parts, is_parts, set_parts, slices_of
+from gradaccel.memory.parts import install_parts, is_nested, is_parts, set_parts, slices_of
 from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
 from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute, uncheckpointed
@@ -85,16 +85,20 @@ def _step(model, batch):
 
 def set_plans(model: nn.Module, blocks: list, chunked_loss: bool, settings: list) -> None:
     """Sets what each of ``model``'s checkpointed ``blocks`` runs: ``settings[i]`` is block
-    ``i``'s int budget, None (uncheckpointed), or ``"parts"`` / ``"tiles:n"`` (gradaccel/memory/parts.py); and the
+    ``i``'s int budget, None (uncheckpointed), or ``"parts"`` / ``"tiles:n"`` / ``"nested:n"``
+    (gradaccel/memory/parts.py); and the
     loss in chunks on or off (the head must be installed to turn it on)."""
 
     for block, s in zip(blocks, settings):
-        if is_parts(s):
+        parts = slices_of(s) > 0
+        if parts:
             install_parts(block)
-        set_parts(block, is_parts(s), slices_of(s))
+        set_parts(block, parts, slices_of(s), whole=is_nested(s))
         if s is None:  # a plan that recomputes nothing: no checkpoint, and none of its cost
             block._gradaccel_fine = True
-        elif not is_parts(s):
+        elif is_nested(s):
+            block._gradaccel_budget = 0  # keep nothing: torch.utils.checkpoint around the parts
+        elif not parts:
             block._gradaccel_budget = s
     set_head(model, chunked_loss)
 
@@ -315,8 +319,9 @@ class MemoryTarget:
         settings = [_setting(p, prof.kind_of[i]) for i, p in enumerate(points)]
         if host:  # a block that keeps everything is still checkpointed: that is what parks its input
             settings = [p.budget if st is None else st for st, p in zip(settings, points)]
-        used = {slices_of(s) for s in settings if is_parts(s)}
-        mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", max(used, default=1) > 1), ("head", head),
+        used = {slices_of(s) for s in settings if slices_of(s) > 0}
+        mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", max(used, default=1) > 1),
+                                     ("nested", any(is_nested(s) for s in settings)), ("head", head),
                                      ("host", host)) if on)
         return (head, settings), (mode or "blocks", peak, floor), bool(fitting) or peak <= self.memory
 
@@ -335,7 +340,7 @@ class _Unprofiled:
 
 def _setting(point, kind):
     """What :meth:`MemoryTarget._set` sets a block to for ``point``."""
-    if is_parts(point.plan):
+    if slices_of(point.plan) > 0:
         return point.plan
     if point.plan == KEEP_ALL or point.cost == 0 and point is kind.frontier[-1]:
         return None  # recomputes nothing: no checkpoint, and none of its cost

@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+import gradaccel
+
 from gradaccel.memory import LiveBytes
-from gradaccel.memory.parts import check_structure, set_parts, slice_counts, slices_of, structure_notes, tiles
+from gradaccel.memory.parts import check_structure, is_parts, set_parts, slice_counts, slices_of, structure_notes, tiles
 from gradaccel.memory.profile import Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute
 from gradaccel.memory.target import _step, set_plans
@@ -57,7 +59,8 @@ def test_slice_counts():
     assert slice_counts(8192) == [2, 4, 8]
     assert slice_counts(65536) == [8, 16, 32, 64]  # slices of 8K down to 1K tokens
     assert slice_counts(1000) == [4] and slice_counts(2) == []
-    assert [slices_of(s) for s in ("parts", tiles(8), 4096, None, "all")] == [1, 8, 0, 0, 0]
+    assert [slices_of(s) for s in ("parts", tiles(8), "nested:4", 4096, None, "all")] == [1, 8, 4, 0, 0, 0]
+    assert [is_parts(s) for s in ("parts", tiles(8), "nested:4", 4096)] == [True, True, False, False]
 
 
 def test_llama_norms_join_their_consumer():
@@ -69,7 +72,7 @@ def test_llama_norms_join_their_consumer():
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "peft-lora"])
-@pytest.mark.parametrize("setting", ["parts", "tiles:2", "tiles:3", "tiles:8"])
+@pytest.mark.parametrize("setting", ["parts", "tiles:2", "tiles:3", "tiles:8", "nested:1", "nested:3"])
 def test_sliced_block_gradients_match_stock(lora, setting):
     """A sliced block (an odd length: uneven slices) gives stock PyTorch's gradients, fp32."""
     model = _llama()
@@ -77,6 +80,7 @@ def test_sliced_block_gradients_match_stock(lora, setting):
     ids = torch.randint(0, 128, (1, 67), generator=torch.Generator().manual_seed(1))
     ref = _grads(copy.deepcopy(model), ids)
     check_structure(*_block_call(model, ids))
+    gradaccel.checkpoint_blocks(model, budget=0)  # a nested plan is this checkpoint around the parts
     blocks = find_blocks(model)
     set_plans(model, blocks, False, [setting] * len(blocks))
     got = _grads(model, ids)
@@ -170,7 +174,7 @@ def test_split_tie_goes_to_the_lower_peak():
     ids = torch.randint(0, 128, (1, 2048))
     prof = Profile(model, _step, ((), {"input_ids": ids, "labels": ids, "use_cache": False}), grad_hooks=False)
     opts = [prof.options(prof.kind_of[i]) for i in range(len(prof.blocks))]
-    sliced = {p.plan: p for p in opts[0] if slices_of(p.plan)}
+    sliced = {p.plan: p for p in opts[0] if is_parts(p.plan)}
     assert set(sliced) == {"parts", "tiles:2"}, sliced  # 2048 tokens: slices of 1024
     terms = prof.step_terms()
     need = {k: max(prof.need(terms, 0, p)) for k, p in sliced.items()}
@@ -180,5 +184,39 @@ def test_split_tie_goes_to_the_lower_peak():
     memory = prof.predict([sliced["parts"]] * len(opts))["peak"]
     got = least_recompute(prof, pair, memory, exact=False)
     assert got is not None and all(p.plan == "tiles:2" for p in got), got and [p.plan for p in got]
-    lowest = least_peak(prof, opts)
+    lowest = least_peak(prof, [[p for p in o if is_parts(p.plan)] for o in opts])
     assert all(p.plan == "tiles:2" for p in lowest), [p.plan for p in lowest]
+
+
+def test_nested_holds_the_input_alone_and_rebuilds_a_slice_at_a_time():
+    """A nested plan (a keep-nothing checkpoint around the block's parts) holds after forward
+    what keep-nothing holds (the block's input), less than tiles (its parts' inputs too), and
+    its backward peaks below keep-nothing's whole-block rebuild (exact bytes, CPU)."""
+    import torch.utils.checkpoint as tc
+
+    model = _llama(hidden=64, inter=1024, layers=1)
+    block, args, kwargs = _block_call(model, torch.randint(0, 128, (1, 1024)))
+    check_structure(block, args, kwargs)
+
+    def run(setting):
+        for p in block.parameters():
+            p.grad = None
+        set_parts(block, slices_of(setting) > 0, max(1, slices_of(setting)), whole=setting != "tiles:8")
+        x = args[0].detach().requires_grad_()
+        with LiveBytes() as live:
+            out = tc.checkpoint(block, x, *args[1:], use_reentrant=False, **kwargs) if setting != "tiles:8" \
+                else block(x, *args[1:], **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            held = live.live
+            out.backward(torch.ones_like(out))
+            del out
+        set_parts(block, False)
+        return live.peak, held, {n: p.grad.clone() for n, p in block.named_parameters()}
+
+    whole, nested, sliced = run("keep-nothing"), run("nested:8"), run("tiles:8")
+    out_bytes = 1024 * 64 * 4  # the block's output, alive after forward in each
+    assert nested[1] == whole[1] == out_bytes, (nested[1], whole[1])
+    assert sliced[1] > nested[1]
+    assert nested[0] < whole[0], (nested[0], whole[0])
+    worst = max(g.abs().max().item() for g in whole[2].values())
+    assert max((nested[2][n] - g).abs().max().item() for n, g in whole[2].items()) / worst <= TOL
