@@ -35,12 +35,11 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from bench.common import progress, time_interleaved, tiny
 from gradaccel import FusedAccumOptimizer
 from gradaccel.memory import LiveBytes
+from gradaccel.memory.counter import StorageLog
 
 VARIANTS = ("torch-stock", "gradaccel-fold", "gradaccel-fused")
 ERROR_WINDOW = 16  # micro-batches of the exactness rows (issue 29's setting)
@@ -117,27 +116,12 @@ def _window_rows(case, runs, batches, device, reps, add) -> None:
         add(case, v, "peak_bytes", live.peak, "B")
 
 
-class _Largest(TorchDispatchMode):
-    """The bytes of the largest new storage any op makes while active (an in-place op or a view
-    returns its input's storage: not new)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        return out
 
 
 def _largest_in_backward(run: "_Run", batch) -> int:
     """The largest storage one micro-batch's backward makes (the window is then dropped)."""
     loss = run.model.loss(batch)
-    with _Largest() as mode:
+    with StorageLog() as mode:
         loss.backward()
     run.opt.zero_grad()
     if isinstance(run.opt, FusedAccumOptimizer):

@@ -228,7 +228,8 @@ class StorageLog(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.created = StorageMap()  # storage -> its bytes
+        self.created = StorageMap()  # storage -> its bytes (while it lives)
+        self.largest = 0  # the bytes of the largest storage created, freed since or not
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -237,7 +238,9 @@ class StorageLog(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 if storage_key(t) not in inputs and self.created.get(t) is None:
-                    self.created.set(t, t.untyped_storage().nbytes())
+                    n = t.untyped_storage().nbytes()
+                    self.created.set(t, n)
+                    self.largest = max(self.largest, n)
         return out
 
 

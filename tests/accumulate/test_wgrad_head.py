@@ -8,12 +8,11 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from gradaccel import FusedAccumOptimizer
 from gradaccel.accumulate.wgrad import sink_of
 from gradaccel.memory import chunked_loss
+from gradaccel.memory.counter import StorageLog
 from gradaccel.memory.chunked_loss import HeadLogits, install_head, set_head
 
 transformers = pytest.importorskip("transformers")
@@ -88,21 +87,6 @@ def test_training_equals_big_batch(tied, head_first):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"window {window}: {name}")
 
 
-class Largest(TorchDispatchMode):
-    """The bytes of the largest new storage any op makes while active (an in-place op or a view
-    returns its input's storage: not new)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        return out
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -121,7 +105,7 @@ def test_no_head_sized_gradient_in_backward(tied):
             set_head(model, True)
             opt = FusedAccumOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), 1)
         loss = model(input_ids=ids, labels=labels, use_cache=False).loss
-        with Largest() as mode:
+        with StorageLog() as mode:
             loss.backward()
         largest[fused] = mode.largest
         opt.step()

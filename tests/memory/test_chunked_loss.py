@@ -7,10 +7,9 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from gradaccel.memory import chunked_loss
+from gradaccel.memory.counter import StorageLog
 from gradaccel.memory.chunked_loss import HeadLogits, HeadLogitsError, install_head, set_head
 
 transformers = pytest.importorskip("transformers")
@@ -52,21 +51,6 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(chunked_loss, "chunk_rows", lambda rows, vocab: CHUNK)
 
 
-class Largest(TorchDispatchMode):
-    """The bytes of the largest new storage any op makes while active (an in-place op or a view
-    returns its input's storage: not new)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        return out
 
 
 def _grads_and_hidden(model, ids, labels, **kw):
@@ -119,7 +103,7 @@ def test_no_logits_sized_tensor_exists():
     logits_bytes = B * T * V * 4
     sizes = {}
     for name, model in (("stock", llama()), ("head", headed(llama()))):
-        with Largest() as mode:
+        with StorageLog() as mode:
             out = model(input_ids=ids, labels=labels, use_cache=False)
             out.loss.backward()
         sizes[name] = mode.largest
