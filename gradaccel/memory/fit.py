@@ -273,19 +273,22 @@ class Planner:
 
     def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None) -> Fit:
         """See :func:`fit`."""
-        memory = parse_bytes(memory, "memory")
+        memory, slack = memory_and_slack(memory, slack)
         check_count(batch, "batch"), check_count(seq, "seq")
-        slack = (memory // 20 + (512 << 20) if memory > (4 << 30) else memory // 20) if slack is None else \
-            parse_bytes(slack, "slack")
         usable = memory - slack
         setup = self
-        sizes = micro_batches or [d for d in range(1, batch + 1) if batch % d == 0]
-        results = []
-        for mb in sorted(sizes):
-            r = _best_for(setup, seq, mb, batch, usable)
-            if r is None:
-                break  # a larger micro-batch needs more
-            results.append(r)
+        sizes = sorted(micro_batches or [d for d in range(1, batch + 1) if batch % d == 0])
+
+        def fitting(**how):  # the best plan at each micro-batch that fits, smallest first
+            out = []
+            for mb in sizes:
+                r = _best_for(setup, seq, mb, batch, usable, **how)
+                if r is None:
+                    break  # a larger micro-batch needs more
+                out.append(r)
+            return out
+
+        results = fitting()
         if results:
             # Least predicted time per optimizer step; within 0.5%, the larger micro-batch.
             least = min(r.step_cost for r in results)
@@ -310,30 +313,19 @@ class Planner:
             return best
         # Nothing fits without offload. Where a plan with offload fits, it is the answer (what
         # apply() installs); otherwise the least this step can take, and what would fit.
-        fitting = []
-        for mb in sorted(sizes):
-            r = _best_for(setup, seq, mb, batch, usable, offload=True)
-            if r is None:
-                break
-            fitting.append(r)
-        worst, offload = (min((_least(setup, seq, batch, off, chunked) for chunked in {False, bool(setup.head_flops)}),
-                              key=lambda r: r.peak) for off in (False, True))
-        if not fitting and offload.offload and offload.peak <= usable:
-            fitting = [offload]  # the split's estimate missed it; the least-peak plan fits exactly
+        fits = fitting(offload=True)
+        worst, offload = (_least_either_loss(setup, seq, batch, off) for off in (False, True))
+        if not fits and offload.offload and offload.peak <= usable:
+            fits = [offload]  # the split's estimate missed it; the least-peak plan fits exactly
         parked = None
-        if not fitting:  # the blocks' inputs on the host, where only then a plan fits
-            for mb in sorted(sizes):
-                r = _best_for(setup, seq, mb, batch, usable, host=True)
-                if r is None:
-                    break
-                fitting.append(r)
-            if not fitting:
-                parked = min((_least(setup, seq, batch, False, chunked, host=True)
-                              for chunked in {False, bool(setup.head_flops)}), key=lambda r: r.peak)
+        if not fits:  # the blocks' inputs on the host, where only then a plan fits
+            fits = fitting(host=True)
+            if not fits:
+                parked = _least_either_loss(setup, seq, batch, False, host=True)
                 if parked.peak <= usable:
-                    fitting = [parked]
-        if fitting:
-            off = min(fitting, key=lambda r: r.step_cost)
+                    fits = [parked]
+        if fits:
+            off = min(fits, key=lambda r: r.step_cost)
             off.memory, off.slack, off._planner = memory, slack, self
             return off
         worst.memory, worst.slack, worst.fits = memory, slack, False
@@ -357,6 +349,22 @@ def _least(setup: Planner, seq, batch, offload, chunked_loss, host=False) -> Fit
     with _inputs_on_host(prof, host):
         points = least_peak(prof, setup.fronts(prof, offload, host), setup.layout)
     return _evaluate(setup, seq, 1, batch, points, chunked_loss=chunked_loss, host=host)
+
+
+def _least_either_loss(setup: Planner, seq, batch, offload, host=False) -> Fit:
+    """:func:`_least` with the model's own loss or in chunks (where the model allows it),
+    whichever peaks lower."""
+    return min((_least(setup, seq, batch, offload, chunked, host) for chunked in {False, bool(setup.head_flops)}),
+               key=lambda r: r.peak)
+
+
+def memory_and_slack(memory, slack=None) -> tuple:
+    """``(memory, slack)`` in bytes: ``slack`` (bytes left to the allocator) as given, or by
+    default 5 % of ``memory``, plus 512 MiB on a card over 4 GiB."""
+    memory = parse_bytes(memory, "memory")
+    if slack is None:
+        return memory, memory // 20 + (512 << 20 if memory > (4 << 30) else 0)
+    return memory, parse_bytes(slack, "slack")
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ there, with offload where only a plan with offload fits.
 
 import torch
 
-from gradaccel.memory.counter import check_count, parse_bytes
+from gradaccel.memory.counter import check_count
 
 __all__ = ["max_seq", "longest"]
 
@@ -20,19 +20,18 @@ def _least_peak(planner, seq: int, batch: int) -> int:
     """The least predicted peak of a step of ``seq`` tokens: micro-batch 1, any plan, with or
     without offload, with the blocks' inputs on the host or not, with the model's loss or in
     chunks (what :meth:`Planner.fit` falls back to)."""
-    from gradaccel.memory.fit import _least
+    from gradaccel.memory.fit import _least_either_loss
 
-    heads = {False, bool(planner.head_flops)}
-    return min(_least(planner, seq, batch, off, head, host).peak
-               for off, host in ((False, False), (True, False), (False, True)) for head in heads)
+    return min(_least_either_loss(planner, seq, batch, off, host).peak
+               for off, host in ((False, False), (True, False), (False, True)))
 
 
 def longest(planner, memory, batch: int = 1, slack=None, granule: int = 1024, limit: int = 1 << 22):
     """See :func:`max_seq`; ``planner``: a :class:`gradaccel.memory.fit.Planner`."""
-    memory = parse_bytes(memory, "memory")
+    from gradaccel.memory.fit import memory_and_slack
+
+    memory, slack = memory_and_slack(memory, slack)
     check_count(batch, "batch"), check_count(granule, "granule"), check_count(limit, "limit")
-    slack = (memory // 20 + (512 << 20) if memory > (4 << 30) else memory // 20) if slack is None else \
-        parse_bytes(slack, "slack")
     usable = memory - slack
     peaks = {}  # length -> least peak
 
