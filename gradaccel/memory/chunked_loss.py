@@ -223,16 +223,11 @@ class HeadLogits(torch.Tensor):
         return (f"HeadLogits(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}: not made, "
                 "gradaccel head mode)")
 
-    def tolist(self):
+    def _unreadable(self, *args, **kwargs):
+        """Reads the values outside dispatch (to a list, to numpy, pickling): refused alike."""
         raise HeadLogitsError(_MESSAGE.format(shape=tuple(self.shape)))
 
-    def numpy(self, *args, **kwargs):
-        raise HeadLogitsError(_MESSAGE.format(shape=tuple(self.shape)))
-
-    __array__ = numpy
-
-    def __reduce_ex__(self, proto):
-        raise HeadLogitsError(_MESSAGE.format(shape=tuple(self.shape)))
+    tolist = numpy = __array__ = __reduce_ex__ = _unreadable
 
 
 class _HeadForward:

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-from gradaccel.memory.profile import KEEP_ALL, PARTS, Kind, Point, Profile, cheaper_front
+from gradaccel.memory.parts import PARTS
+from gradaccel.memory.profile import KEEP_ALL, Kind, Point, Profile, cheaper_front
 from gradaccel.recompute.trace import Storage
 
 __all__ = ["LengthProfile", "profile_lengths", "length_of", "at_length"]

@@ -36,6 +36,8 @@ import torch.utils.checkpoint as _tc
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from gradaccel.recompute.blocks import model_class
+
 __all__ = ["has_parts", "has_tiles", "install_parts", "set_parts", "slice_counts", "slices_of", "tiles",
            "nested", "is_nested", "is_parts", "check_structure", "structure_notes"]
 
@@ -205,9 +207,7 @@ _STRUCTURES = {}  # _structure_key -> (joins [(norm, consumer, where)], notes [s
 
 
 def _structure_key(block: nn.Module) -> tuple:
-    cls = type(block)
-    if getattr(cls, "_gradaccel_subclass", None) is cls:  # checkpoint_blocks' subclass: the model's class
-        cls = cls.__mro__[1]
+    cls = model_class(block)
     return cls.__module__, cls.__qualname__, tuple(n for n, _ in block.named_children())
 
 
@@ -253,8 +253,7 @@ def check_structure(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
         if id(c) in parts:
             handles += [c.register_forward_pre_hook(pre, with_kwargs=True),
                         c.register_forward_hook(post, with_kwargs=True)]
-    cls = type(block)
-    forward = (cls.__mro__[1] if getattr(cls, "_gradaccel_subclass", None) is cls else cls).forward
+    forward = model_class(block).forward
     try:
         with torch.no_grad(), uses:
             out = forward(block, *args, **kwargs)

@@ -32,16 +32,13 @@ from gradaccel.recompute.state import STATE
 from gradaccel.recompute.trace import DataReads, Graph
 from gradaccel.recompute.checkpoint import _Region, _plain
 from gradaccel.memory.counter import LiveBytes, Trajectory
-from gradaccel.memory.parts import (check_structure, has_parts, has_tiles, is_nested, is_parts, nested, set_parts,
-                                    slice_counts, slices_of, tiles)
-from gradaccel.recompute.blocks import _find_blocks, _find_by_type
+# Plans other than a budget (PARTS, "tiles:n", "nested:n"): the block's children as checkpoints
+# of their own (gradaccel/memory/parts.py).
+from gradaccel.memory.parts import (PARTS, check_structure, has_parts, has_tiles, is_nested, is_parts, nested,
+                                    set_parts, slice_counts, slices_of, tiles)
+from gradaccel.recompute.blocks import _find_blocks, _find_by_type, model_class
 
 KEEP_ALL = "all"  # the plan of a block run without checkpointing
-# Plans that are not a checkpoint of the block (gradaccel/memory/target.py): the block runs
-# uncheckpointed and each of its children as a keep-nothing checkpoint (PARTS); and its
-# token-wise children (MLPs) a slice of tokens at a time (TILES: the plans "tiles:n", n slices;
-# gradaccel/memory/parts.py).
-PARTS, TILES = "parts", "tiles"
 RUNS = [0]  # fake-tensor profiles made in this process (one per Profile): what planning costs
 
 
@@ -590,10 +587,7 @@ def _tokens(kind) -> int:
 
 def _plain_forward(block):
     """The block's forward, without checkpoint_blocks' wrapper (the profile runs plans itself)."""
-    cls = type(block)
-    if getattr(cls, "_gradaccel_subclass", None) is cls:
-        cls = cls.__mro__[1]
-    return cls.forward.__get__(block)
+    return model_class(block).forward.__get__(block)
 
 
 def _fresh_leaf(t):

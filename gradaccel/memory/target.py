@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel.memory.fixed_parts import unpacked
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
-from gradaccel.memory.parts import install_parts, is_nested, is_parts, set_parts, slices_of
+from gradaccel.memory.parts import install_parts, is_nested, set_parts, slices_of
 from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
 from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute, uncheckpointed
@@ -113,7 +113,9 @@ class MemoryTarget:
         chosen: input signature -> ``(mode, predicted peak, floor)``; mode is ``"blocks"`` when
             every block runs a checkpoint plan (or none) and the loss is the model's, else a
             tuple of what the plan also uses: ``"parts"`` (blocks run as their parts),
-            ``"tiles"`` (MLPs a slice of tokens at a time), ``"head"`` (the loss in chunks);
+            ``"tiles"`` (MLPs a slice of tokens at a time), ``"nested"`` (blocks checkpointed
+            whole around their parts), ``"head"`` (the loss in chunks), ``"host"`` (the blocks'
+            inputs on the host);
             ``floor`` is the predicted peak with every block at its keep-least plan and the
             model's loss, the least per-block checkpoints reach.
     """

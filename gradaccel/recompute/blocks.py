@@ -65,6 +65,12 @@ def _restore(cls):
     return obj
 
 
+def model_class(module: nn.Module) -> type:
+    """``module``'s own class: the model's, under ``checkpoint_blocks``' subclass where it has one."""
+    cls = type(module)
+    return cls.__mro__[1] if getattr(cls, "_gradaccel_subclass", None) is cls else cls
+
+
 def _subclass_for(cls):
     sub = _SUBCLASSES.get(cls)
     if sub is None:
