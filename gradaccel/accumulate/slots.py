@@ -78,17 +78,33 @@ def _make_hook(views: list, stamps: list, clock: list, i: int) -> Callable[[torc
     return hook
 
 
-def _make_sink(views: list, stamps: list, clock: list, i: int) -> Callable[[Callable], None]:
-    # What fuse_wgrad's layers call in backward instead of returning a weight gradient
-    # (gradaccel/accumulate/wgrad.py): the same window bookkeeping as the fold hook.
-    def sink(add: Callable[[torch.Tensor], None]) -> None:
-        view = views[i]
-        _check_live(view)
-        if stamps[i] < clock[1]:
+class _Sink:
+    """What fuse_wgrad's layers call in backward instead of returning a weight gradient
+    (gradaccel/accumulate/wgrad.py), with the fold hook's window bookkeeping: ``sink(add)``
+    hands the parameter's fp32 slice to ``add``, which adds the micro-batch's gradient onto it;
+    ``sink.linear(x, dy)`` adds ``dyᵀ·x`` there (a routed ``nn.Linear``'s). Like the hook, it
+    holds the shared lists, not the slots."""
+
+    __slots__ = ("views", "stamps", "clock", "i")
+
+    def __init__(self, views: list, stamps: list, clock: list, i: int) -> None:
+        self.views, self.stamps, self.clock, self.i = views, stamps, clock, i
+
+    def __call__(self, add: Callable[[torch.Tensor], None]) -> None:
+        add(self._open())
+        self.stamps[self.i] = self.clock[0]
+
+    def linear(self, x: torch.Tensor, dy: torch.Tensor) -> None:
+        ops.wgrad_accumulate_(self._open(), x, dy, 1.0)
+        self.stamps[self.i] = self.clock[0]
+
+    def _open(self) -> torch.Tensor:
+        # No _check_live: only sync="window" (FSDP2) releases the buffer, and fuse_wgrad neither
+        # runs there nor routes a sharded weight. (The check costs µs a layer, every micro-batch.)
+        view = self.views[self.i]
+        if self.stamps[self.i] < self.clock[1]:
             view.zero_()  # first gradient of the window: the slice still holds an earlier one
-        add(view)
-        stamps[i] = clock[0]
-    return sink
+        return view
 
 
 class GradSlots:
@@ -168,14 +184,14 @@ class GradSlots:
             out.append(target)
         return out
 
-    def sink_for(self, p: torch.Tensor) -> Callable[[Callable], None] | None:
+    def sink_for(self, p: torch.Tensor) -> "_Sink | None":
         """For ``fuse_wgrad``: a function that hands ``p``'s fp32 slice to ``add(slice)``, which
         adds the micro-batch's gradient onto it, as the fold hook would have; None if ``p`` has
         no slice here."""
         i = self._index.get(id(p))
         if i is None or self.params[i] is not p:
             return None
-        return _make_sink(self.views, self.stamps, self.clock, i)
+        return _Sink(self.views, self.stamps, self.clock, i)
 
     def mark(self) -> tuple[int, int]:
         """How many parameters (trainable, frozen) are adopted now: for :meth:`forget_since`."""

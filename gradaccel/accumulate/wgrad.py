@@ -5,10 +5,13 @@ Stock autograd makes each weight's gradient as a tensor of the weight's dtype; t
 (gradaccel/accumulate/slots.py) then adds it into the weight's fp32 slice and frees it. For a
 bf16 model that rounds every micro-batch's gradient to bf16 before the exact fp32 sum, and for
 every weight a weight-sized tensor is made, read back and freed. Here each routed layer's
-``forward`` becomes a small ``autograd.Function`` (as Megatron's gradient-accumulation fusion
-does): its backward computes the input's and the bias's gradients as stock does, and hands the
-weight's to ``gradaccel.ops.wgrad_accumulate_`` (``slice += dyᵀ @ x``, products summed in fp32)
-or ``embedding_accumulate_`` (``slice[ids] += dy``), then returns no gradient for the weight.
+``forward`` becomes an autograd function (as Megatron's gradient-accumulation fusion does): its
+backward computes the input's and the bias's gradients as stock does, and hands the weight's to
+``gradaccel.ops.wgrad_accumulate_`` (``slice += dyᵀ @ x``, products summed in fp32) or
+``embedding_accumulate_`` (``slice[ids] += dy``), then returns no gradient for the weight. For
+``nn.Linear`` that function is C++ (``gradaccel.ops.wgrad.fused_linear``): it runs for every
+layer in every micro-batch, and a Python one cost more than the fold it replaces on small
+layers (bench/wgrad.py, ``layer_overhead``); the embedding's, once per model, is Python.
 So nothing weight-sized exists in backward, and the weight's ``.grad`` stays None (autograd
 still calls its post-accumulate-grad hooks, which then see None).
 
@@ -32,35 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradaccel import ops
+from gradaccel.ops.wgrad import fused_linear
 
 __all__ = ["route", "routable", "sink_of", "is_routed_forward"]
-
-
-class _FusedLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose weight gradient goes to ``sink`` instead of autograd."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, sink):
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev) and x.is_floating_point():
-            # Save the input as autocast would have cast it (as stock linear saves it), not fp32.
-            x = x.to(torch.get_autocast_dtype(dev))
-        ctx.save_for_backward(x, weight)
-        ctx.sink, ctx.has_bias = sink, bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx = db = None
-        if ctx.needs_input_grad[0]:
-            dx = dy.matmul(weight.to(dy.dtype))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0)
-        if ctx.needs_input_grad[1]:
-            x = x.to(dy.dtype)
-            ctx.sink(lambda acc: ops.wgrad_accumulate_(acc, x, dy, 1.0))
-        return dx, None, db, None
 
 
 class _FusedEmbedding(torch.autograd.Function):
@@ -83,7 +60,7 @@ def _linear_forward(module: nn.Linear, weight: torch.Tensor, sink: Callable, x: 
     w = module.weight
     if w is not weight or not (torch.is_grad_enabled() and w.requires_grad):
         return F.linear(x, w, module.bias)  # replaced, frozen since, or no grad: stock
-    return _FusedLinear.apply(x, w, module.bias, sink)
+    return fused_linear(x, w, module.bias, sink.linear)
 
 
 def _embedding_forward(module: nn.Embedding, weight: torch.Tensor, sink: Callable, ids: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 - :func:`wgrad_accumulate_`: ``acc += scale * dyᵀ @ x`` (the weight gradient of ``nn.Linear``).
 - :func:`embedding_accumulate_`: ``acc[ids] += scale * dy``, repeats summed (of ``nn.Embedding``).
+- :func:`fused_linear`: ``F.linear`` whose backward hands ``(x, dy)`` to a callable instead of
+  making the weight's gradient (what ``fuse_wgrad`` routes ``nn.Linear`` layers through).
 
 Registered ops, ``torch.ops.gradaccel.<name>``, declared with their C++ CPU and Meta kernels in
 gradaccel/ops/csrc/wgrad.cpp (which holds every argument check). On CUDA: a Triton GEMM with an
@@ -10,6 +12,8 @@ accumulate epilogue for bf16/fp16 (gradaccel/ops/triton/wgrad.py) and cuBLAS ``a
 weight gradient, so it honours ``torch.backends.cuda.matmul.allow_tf32`` as stock does); the
 embedding through a Triton kernel.
 """
+
+from typing import Callable
 
 import torch
 
@@ -114,6 +118,19 @@ def wgrad_accumulate_(acc: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, scal
         _acc._explain_refusal("wgrad_accumulate_", acc=acc, x=x, dy=dy)
         raise
     return acc
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 add: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose weight gradient autograd never makes.
+
+    Backward computes the input's and the bias's gradients as stock autograd does, and calls
+    ``add(x, dy)`` (``x`` as saved, ``dy`` the output's gradient, both in ``dy``'s dtype)
+    instead of making the weight's; the weight gets no gradient. Under autocast ``x`` is saved as
+    autocast casts it. A C++ autograd function (gradaccel/ops/csrc/fused_linear.cpp): it runs once
+    per routed layer per micro-batch, where a Python one costs tens of µs more.
+    """
+    return _ext.load().fused_linear(x, weight, bias, add)
 
 
 def embedding_accumulate_(acc: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor, scale: float = 1.0,

@@ -4,7 +4,8 @@
 dy, s)`` is ``acc.index_add_(0, ids, s * dy)``. ``path="ops"`` is the public function (C++ on CPU),
 ``"triton"`` the Triton launcher (on CPU through the interpreter), ``"kernel"`` the function
 registered as the CUDA kernel (its C++ checks, then the launch). Bit-exact only where the same
-kernel runs: the CPU fp32 op is ``acc.addmm_`` itself.
+kernel runs: the CPU fp32 op is ``acc.addmm_`` itself. And ``fused_linear`` (the C++ autograd
+function that fuse_wgrad routes ``nn.Linear`` through) against stock ``F.linear``.
 """
 
 import os
@@ -219,6 +220,79 @@ def test_embedding_refusals_name_the_argument(device):
         ops.embedding_accumulate_(acc, ids, torch.zeros(2, 4, device=device))
     with pytest.raises(ValueError, match="acc must be float32"):
         ops.embedding_accumulate_(acc.half(), ids, torch.zeros(2, 3, device=device))
+
+
+# --- fused_linear: F.linear whose weight gradient goes to a callable -----------------------------
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(7,), (2, 5)])
+def test_fused_linear_is_f_linear_and_hands_x_dy_over(device, bias, lead):
+    """Output, input and bias gradients as stock F.linear's (fp32, same kernels: bit-equal); the
+    weight gets none, and add(x, dy) sees the saved input and the output's gradient."""
+    x = rand(lead + (6,), torch.float32, device, 40).requires_grad_()
+    w = rand((4, 6), torch.float32, device, 41).requires_grad_()
+    b = rand((4,), torch.float32, device, 42).requires_grad_() if bias else None
+    g = rand(lead + (4,), torch.float32, device, 43)
+    seen = []
+    y = ops.fused_linear(x, w, b, lambda xs, dy: seen.append((xs, dy)))
+    y.backward(g)
+    ref_x, ref_b = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_() if bias else None
+    ref = torch.nn.functional.linear(ref_x, w.detach(), ref_b)
+    ref.backward(g)
+    # Bit-equal on CPU, where the same kernels run; on CUDA the library may pick other ones.
+    same = torch.equal if device == "cpu" else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    assert same(y, ref) and same(x.grad, ref_x.grad)
+    assert w.grad is None and (not bias or same(b.grad, ref_b.grad))
+    assert len(seen) == 1 and torch.equal(seen[0][0], x.detach()) and torch.equal(seen[0][1], g)
+
+
+def test_fused_linear_only_what_is_needed():
+    """No input gradient for an input without one; no call for a frozen weight."""
+    x, w = torch.randn(3, 5), torch.randn(2, 5, requires_grad=True)
+    calls = []
+    ops.fused_linear(x, w, None, lambda *a: calls.append(a)).sum().backward()
+    assert len(calls) == 1
+    x.requires_grad_()
+    ops.fused_linear(x, w.detach(), None, lambda *a: calls.append(a)).sum().backward()
+    assert len(calls) == 1 and x.grad is not None
+
+
+def test_fused_linear_autocast_saves_the_cast_input():
+    x, w = torch.randn(3, 5, requires_grad=True), torch.randn(2, 5, requires_grad=True)
+    seen = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ops.fused_linear(x, w, None, lambda xs, dy: seen.append((xs.dtype, dy.dtype)))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16)] and x.grad.dtype == torch.float32
+
+
+def test_fused_linear_callable_errors_and_lifetime():
+    """An error in the callable reaches backward's caller as itself; the callable lives as long
+    as the graph does."""
+    import gc
+    import weakref
+
+    x, w = torch.randn(3, 5), torch.randn(2, 5, requires_grad=True)
+
+    def boom(xs, dy):
+        raise KeyError("from the sink")
+    with pytest.raises(KeyError, match="from the sink"):
+        ops.fused_linear(x, w, None, boom).sum().backward()
+
+    class Add:
+        def __call__(self, xs, dy):
+            pass
+    add = Add()
+    ref = weakref.ref(add)
+    y = ops.fused_linear(x, w, None, add)
+    del add
+    gc.collect()
+    assert ref() is not None
+    del y
+    gc.collect()
+    assert ref() is None
+    with pytest.raises(TypeError, match="add must be callable"):
+        ops.fused_linear(x, w, None, 3)
 
 
 # --- compiled for a GPU, without one ------------------------------------------------------------

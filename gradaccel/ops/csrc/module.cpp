@@ -7,7 +7,8 @@
 
 #include "fold_plan.h"
 
-void init_planner(pybind11::module_& m);  // planner.cpp
+void init_planner(pybind11::module_& m);       // planner.cpp
+void init_fused_linear(pybind11::module_& m);  // fused_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gradaccel C++/CUDA extension";
@@ -25,4 +26,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("n_grads"), pybind11::arg("block"),
         "int64 slots that the fold plan of n_grads grads into flat_numel elements may need.");
   init_planner(m);
+  init_fused_linear(m);
 }
