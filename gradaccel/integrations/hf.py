@@ -198,7 +198,7 @@ def _patch_accelerator(acc, budget, fuse_wgrad=False, inputs_on_host=False) -> N
     if _hf_ds.active(acc):
         if fuse_wgrad:
             raise ValueError("gradaccel.hf.enable: fuse_wgrad=True under DeepSpeed: DeepSpeed makes, reduces and "
-                             "partitions the gradient itself; leave fuse_wgrad off there (DDP or FSDP2 take it)")
+                             "partitions the gradient itself; leave fuse_wgrad off there (one process or DDP take it; FSDP2 does not)")
         _patch_deepspeed(acc, budget)
         acc._gradaccel.inputs_on_host = inputs_on_host
         return
