@@ -62,3 +62,36 @@ def test_nested_gradients_equal_stock():
     worst = max(p.grad.abs().max().item() for p in ref.parameters())
     for (name, p), q, b in zip(model.named_parameters(), ref.parameters(), before):
         assert ((b - p.detach()) - q.grad).abs().max().item() <= 1e-5 * worst, name
+
+
+def test_nested_with_host_inputs_follows_stock_as_the_length_changes(monkeypatch):
+    """A batch is padded to its longest text, so the length changes every step: the least plan
+    made for the longest (nested blocks, inputs on the host) trains as stock PyTorch does at each
+    length, shorter, odd and back (fp32 tolerance: weight gradients sum over slices). Inputs go
+    to the host where they are worth it (not at 77 tokens: under host_inputs.MIN_BYTES)."""
+    from gradaccel.recompute import host_inputs
+    parked = []
+    worth = host_inputs._worth_parking
+    monkeypatch.setattr(host_inputs, "_worth_parking", lambda x: parked.append(worth(x)) or parked[-1])
+    planner = Planner(_model(), optim="sgd")
+    least = _least(planner, SEQ // 4, 1, False, False, host=True)
+    assert least.inputs_on_host and any(is_nested(b) for b in least.budgets), least.budgets
+    ref = _model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gradaccel.reset_plans()
+    model = _model()
+    model, opt = least.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    full = _batch()
+    for n in (SEQ // 4, 301, 77, SEQ // 4 - 1):
+        parked.clear()
+        batch = {k: v[:, :n] for k, v in full.items()}
+        hf_step(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        hf_step(model, batch).backward()
+        assert opt.step()
+        opt.zero_grad()
+        assert parked and all(parked) == (n > 77), (n, parked)
+        worst = max(q.abs().max().item() for q in ref.parameters())
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.detach() - q.detach()).abs().max().item() <= 1e-5 * worst, (n, name)
