@@ -35,7 +35,8 @@ from gradaccel import ops
 SUITE = "accumulate"
 BASELINE = ["torch-naive", "torch-finalize", "torch-copy", "torch-stock"]
 TABLE_METRICS = ["time", "bytes_per_param", "bandwidth", "bandwidth_vs_copy", "window_time",
-                 "peak_bytes", "grad_error"]
+                 "layer_overhead", "peak_bytes", "largest_in_backward", "largest_weight_grad", "peak_below_fold",
+                 "grad_error"]
 FP32 = 4
 
 

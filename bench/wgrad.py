@@ -14,9 +14,14 @@ And the full fine-tune's step with the loss in chunks (issue 29's number): the s
 mode (gradaccel/memory/chunked_loss.py: no whole logits; the chunks' head gradient goes into the
 window under ``fuse_wgrad``), ``gradaccel-fold`` and ``gradaccel-fused``, beside ``torch-stock``
 (the model's own loss, whole logits, stock ``.grad``). Rows ``peak_bytes`` and ``window_time`` as
-above; ``largest_in_backward`` (B): the largest storage one micro-batch's backward makes; and
+above; ``largest_in_backward`` (B): the largest storage one micro-batch's backward makes;
 ``largest_weight_grad`` (B): the bytes of the largest fused weight's gradient (the head's, V x C
-in the model's dtype), which the fused peak should fall below the fold's by.
+in the model's dtype), which the fused peak should fall below the fold's by; and
+``peak_below_fold`` (B): by how much it fell. A sequence of two chunks of rows (see
+:func:`chunked_head_rows`).
+
+And ``layer_overhead`` (s, :func:`overhead_rows`): what routing costs per layer and micro-batch
+on layers whose GEMMs cost nothing, fold and fused over stock.
 
 Metrics:
 
@@ -39,6 +44,7 @@ import torch.nn.functional as F
 from bench.common import progress, time_interleaved, tiny
 from gradaccel import FusedAccumOptimizer
 from gradaccel.memory import LiveBytes
+from gradaccel.memory.chunked_loss import chunk_rows
 from gradaccel.memory.counter import StorageLog
 
 VARIANTS = ("torch-stock", "gradaccel-fold", "gradaccel-fused")
@@ -101,19 +107,26 @@ def _cases(quick: bool) -> list[tuple]:
     def llama_batch(gen, dtype):
         return torch.randint(0, vocab, (lb, lt), generator=gen)
 
+    def make_llama():
+        return Llama(hidden, layers, vocab)
+    make_llama.vocab = vocab
     return [(f"linear stack {n}x{width}", lambda: LinearStack(width, n), stack_batch, window),
-            (f"llama h{hidden} L{layers} v{vocab // 1000}k", lambda: Llama(hidden, layers, vocab), llama_batch, window)]
+            (f"llama h{hidden} L{layers} v{vocab // 1000}k", make_llama, llama_batch, window)]
 
 
-def _window_rows(case, runs, batches, device, reps, add) -> None:
-    """``window_time`` (interleaved) and ``peak_bytes`` (exact) of a window, per variant."""
+def _window_rows(case, runs, batches, device, reps, add) -> dict[str, int]:
+    """``window_time`` (interleaved) and ``peak_bytes`` (exact) of a window, per variant; returns
+    the peaks."""
     fns = {v: (lambda r=r: r.window(batches)) for v, r in runs.items()}
     times = time_interleaved(fns, device, warmup=1, reps=reps)
+    peaks = {}
     for v, r in runs.items():
         with LiveBytes() as live:
             r.window(batches)
+        peaks[v] = live.peak
         add(case, v, "window_time", times[v], "s")
         add(case, v, "peak_bytes", live.peak, "B")
+    return peaks
 
 
 
@@ -131,8 +144,21 @@ def _largest_in_backward(run: "_Run", batch) -> int:
 
 def chunked_head_rows(device: str, quick: bool, add) -> None:
     """The full fine-tune's step with the loss in chunks (see the module doc): the Llama case of
-    :func:`_cases`, bf16 and fp32."""
-    name, make_model, make_batch, window = _cases(quick)[1]
+    :func:`_cases`, bf16 and fp32, on a sequence of two chunks of rows.
+
+    Two chunks, because in one the loss computes the head's gradient as stock autograd does (one
+    GEMM in the model's dtype, made after the chunk's logits are dropped) and both variants then
+    peak at the chunk's fp32 logits: the fused peak falls by the gradient less those logits. Over
+    several chunks the fold sums the head's gradient in an fp32 buffer alive through the loop, as
+    at any real length (2,048 tokens at a 128K vocabulary are 32 chunks)."""
+    name, make_model, _, window = _cases(quick)[1]
+    vocab = make_model.vocab
+    rows = 8 if tiny() else 2 * chunk_rows(1, vocab)
+
+    def make_batch(gen, dtype):
+        return torch.randint(0, vocab, (1, rows), generator=gen)
+
+    window = min(window, 2)  # a bf16 micro-batch of 262 rows is seconds here; the peak is one window's
     reps = 3 if quick or tiny() else 5
     for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         case = f"step {name} loss in chunks {tag}"
@@ -145,12 +171,13 @@ def chunked_head_rows(device: str, quick: bool, add) -> None:
                     for v in VARIANTS}
             gen = torch.Generator().manual_seed(2)
             batches = [make_batch(gen, dtype) for _ in range(window)]
-            _window_rows(case, runs, batches, device, reps, add)
+            peaks = _window_rows(case, runs, batches, device, reps, add)
             for v, r in runs.items():
                 add(case, v, "largest_in_backward", _largest_in_backward(r, batches[0]), "B")
             head = runs["gradaccel-fused"].model.lm.lm_head.weight
             assert "lm.lm_head" in runs["gradaccel-fused"].opt.fused_layers
             add(case, "gradaccel-fused", "largest_weight_grad", head.numel() * head.element_size(), "B")
+            add(case, "gradaccel-fused", "peak_below_fold", peaks["gradaccel-fold"] - peaks["gradaccel-fused"], "B")
             del runs, base
 
 
@@ -231,6 +258,29 @@ def grad_error(make_model, make_batch, dtype: torch.dtype, variant: str, steps: 
     return max(((got[n] - r).norm() / r.norm()).item() for n, r in ref.items() if r.norm() > 0)
 
 
+def overhead_rows(device: str, quick: bool, add) -> None:
+    """What routing costs per layer where the GEMMs cost nothing: a stack of 16 Linear layers of
+    width 16 on 8 tokens, fp32. ``window_time`` of the three variants, and ``layer_overhead``
+    (s): fold's and fused's extra time over stock per layer and micro-batch (the fold's hooks; the
+    fused path's ``autograd.Function``, whose forward and backward are Python)."""
+    layers, window = 16, 4
+    case = f"window linear stack {layers}x16 8 tokens fp32"
+    progress(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        base = LinearStack(16, layers)
+        runs = {v: _Run(v, copy.deepcopy(base), window) for v in VARIANTS}
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randn(1, 8, 16, generator=gen) for _ in range(window)]
+    times = time_interleaved({v: (lambda r=r: r.window(batches)) for v, r in runs.items()}, device,
+                             warmup=3, reps=5 if tiny() else 41)
+    for v in VARIANTS:
+        add(case, v, "window_time", times[v], "s")
+        if v != "torch-stock":
+            add(case, v, "layer_overhead", (times[v] - times["torch-stock"]) / (layers * window), "s")
+
+
 def run_rows(device: str, quick: bool, add) -> None:
     """Adds the window rows (``add(case, variant, metric, value, unit)``); CPU only (the GPU
     check of the kernel is bench/wgrad_gpu.py, run by bench/gpu.sh)."""
@@ -253,4 +303,5 @@ def run_rows(device: str, quick: bool, add) -> None:
                 for v in VARIANTS:
                     add(case, v, "grad_error", grad_error(make_model, make_batch, dtype, v,
                                                           4 if tiny() else ERROR_WINDOW), "rel")
+    overhead_rows(device, quick, add)
     chunked_head_rows(device, quick, add)

@@ -80,31 +80,29 @@ def _make_hook(views: list, stamps: list, clock: list, i: int) -> Callable[[torc
 
 class _Sink:
     """What fuse_wgrad's layers call in backward instead of returning a weight gradient
-    (gradaccel/accumulate/wgrad.py), with the fold hook's window bookkeeping: ``sink(add)``
-    hands the parameter's fp32 slice to ``add``, which adds the micro-batch's gradient onto it;
-    ``sink.linear(x, dy)`` adds ``dyᵀ·x`` there (a routed ``nn.Linear``'s). Like the hook, it
-    holds the shared lists, not the slots."""
+    (gradaccel/accumulate/wgrad.py), with the fold hook's window bookkeeping. :meth:`open` gives
+    the parameter's fp32 slice to add this micro-batch's gradient onto (what the C++
+    ``fused_linear`` of a routed ``nn.Linear`` calls); ``sink(add)`` hands it to ``add``. Like
+    the hook, it holds the shared lists, not the slots."""
 
     __slots__ = ("views", "stamps", "clock", "i")
 
     def __init__(self, views: list, stamps: list, clock: list, i: int) -> None:
         self.views, self.stamps, self.clock, self.i = views, stamps, clock, i
 
-    def __call__(self, add: Callable[[torch.Tensor], None]) -> None:
-        add(self._open())
-        self.stamps[self.i] = self.clock[0]
-
-    def linear(self, x: torch.Tensor, dy: torch.Tensor) -> None:
-        ops.wgrad_accumulate_(self._open(), x, dy, 1.0)
-        self.stamps[self.i] = self.clock[0]
-
-    def _open(self) -> torch.Tensor:
+    def open(self) -> torch.Tensor:
+        """The slice, zeroed first if this is the window's first gradient (it then still holds an
+        earlier window's), and marked as written in this micro-batch."""
         # No _check_live: only sync="window" (FSDP2) releases the buffer, and fuse_wgrad neither
         # runs there nor routes a sharded weight. (The check costs µs a layer, every micro-batch.)
         view = self.views[self.i]
         if self.stamps[self.i] < self.clock[1]:
-            view.zero_()  # first gradient of the window: the slice still holds an earlier one
+            view.zero_()
+        self.stamps[self.i] = self.clock[0]
         return view
+
+    def __call__(self, add: Callable[[torch.Tensor], None]) -> None:
+        add(self.open())
 
 
 class GradSlots:

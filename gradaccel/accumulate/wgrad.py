@@ -60,7 +60,7 @@ def _linear_forward(module: nn.Linear, weight: torch.Tensor, sink: Callable, x: 
     w = module.weight
     if w is not weight or not (torch.is_grad_enabled() and w.requires_grad):
         return F.linear(x, w, module.bias)  # replaced, frozen since, or no grad: stock
-    return fused_linear(x, w, module.bias, sink.linear)
+    return fused_linear(x, w, module.bias, sink.open)
 
 
 def _embedding_forward(module: nn.Embedding, weight: torch.Tensor, sink: Callable, ids: torch.Tensor) -> torch.Tensor:

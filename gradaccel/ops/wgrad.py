@@ -2,8 +2,8 @@
 
 - :func:`wgrad_accumulate_`: ``acc += scale * dyᵀ @ x`` (the weight gradient of ``nn.Linear``).
 - :func:`embedding_accumulate_`: ``acc[ids] += scale * dy``, repeats summed (of ``nn.Embedding``).
-- :func:`fused_linear`: ``F.linear`` whose backward hands ``(x, dy)`` to a callable instead of
-  making the weight's gradient (what ``fuse_wgrad`` routes ``nn.Linear`` layers through).
+- :func:`fused_linear`: ``F.linear`` whose backward adds the weight's gradient onto a buffer a
+  callable gives, instead of making it (what ``fuse_wgrad`` routes ``nn.Linear`` layers through).
 
 Registered ops, ``torch.ops.gradaccel.<name>``, declared with their C++ CPU and Meta kernels in
 gradaccel/ops/csrc/wgrad.cpp (which holds every argument check). On CUDA: a Triton GEMM with an
@@ -121,16 +121,19 @@ def wgrad_accumulate_(acc: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, scal
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 add: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+                 acc_of: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose weight gradient autograd never makes.
 
-    Backward computes the input's and the bias's gradients as stock autograd does, and calls
-    ``add(x, dy)`` (``x`` as saved, ``dy`` the output's gradient, both in ``dy``'s dtype)
-    instead of making the weight's; the weight gets no gradient. Under autocast ``x`` is saved as
-    autocast casts it. A C++ autograd function (gradaccel/ops/csrc/fused_linear.cpp): it runs once
-    per routed layer per micro-batch, where a Python one costs tens of µs more.
+    Backward computes the input's and the bias's gradients as stock autograd does, and adds the
+    weight's onto ``acc_of()`` with :func:`wgrad_accumulate_` (``acc += dyᵀ @ x``, ``x`` as
+    saved: under autocast, as autocast cast it); the weight gets no gradient. ``acc_of`` is
+    called once per backward, only when the weight needs a gradient, and must return a float32
+    tensor of the weight's shape. A C++ autograd function (gradaccel/ops/csrc/fused_linear.cpp):
+    it runs once per routed layer per micro-batch, where a Python one costs tens of µs more.
     """
-    return _ext.load().fused_linear(x, weight, bias, add)
+    if _wgrad_op is None:
+        _load_ops()  # backward reaches the op through the dispatcher: its CUDA kernel must be registered
+    return _ext.load().fused_linear(x, weight, bias, acc_of)
 
 
 def embedding_accumulate_(acc: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor, scale: float = 1.0,

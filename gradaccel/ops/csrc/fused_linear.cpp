@@ -1,12 +1,13 @@
 // `F.linear(x, weight, bias)` whose weight gradient autograd never makes: backward computes the
-// input's and the bias's gradients as stock autograd does, and hands (x, dy) to a Python callable
-// (`fuse_wgrad`'s window sink, gradaccel/accumulate/wgrad.py), which adds dyᵀ·x into the
-// weight's fp32 slice of the window. The weight gets no gradient.
+// input's and the bias's gradients as stock autograd does, asks a Python callable for the fp32
+// buffer the weight's gradient goes to (`fuse_wgrad`'s window slice, gradaccel/accumulate/slots.py,
+// which keeps the window's bookkeeping) and adds dyᵀ·x onto it with the op wgrad_accumulate_
+// (wgrad.cpp on CPU; the Triton kernel on CUDA). The weight gets no gradient.
 //
 // Why C++: this runs once per routed layer per micro-batch, and LoRA adapters route two small
-// layers per adapted projection. A Python torch.autograd.Function costs about 60 µs a layer more
-// than stock F.linear on this project's CPU (forward and backward in Python; bench/wgrad.py,
-// "layer_overhead"); this one costs the sink's Python call and little else.
+// layers per adapted projection. As a Python torch.autograd.Function it cost ~115 µs a layer
+// over stock F.linear on this project's CPU, more than the fold it replaces (~45 µs); as this,
+// ~60 µs, the callable's Python included (bench/wgrad.py, "layer_overhead").
 //
 // torch::autograd::Function (the stable C++ API) rather than a hand-made Node: Node's ownership
 // changed between torch releases (shared_ptr in 2.11, intrusive_ptr in 2.13) and this builds
@@ -45,14 +46,14 @@ struct PyCallable final : c10::ivalue::PyObjectHolder {
 
 struct FusedLinear : public torch::autograd::Function<FusedLinear> {
   static at::Tensor forward(AutogradContext* ctx, at::Tensor x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, c10::IValue add) {
+                            const std::optional<at::Tensor>& bias, c10::IValue acc_of) {
     const auto dev = x.device().type();
     if (at::autocast::is_autocast_enabled(dev) && x.is_floating_point()) {
       // Save the input as autocast casts it (as stock linear saves it), not in fp32.
       x = x.to(at::autocast::get_autocast_dtype(dev));
     }
     ctx->save_for_backward({x, weight});
-    ctx->saved_data["add"] = std::move(add);
+    ctx->saved_data["acc_of"] = std::move(acc_of);
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     return at::linear(x, weight, bias);
   }
@@ -71,23 +72,30 @@ struct FusedLinear : public torch::autograd::Function<FusedLinear> {
       db = dy.reshape({-1, dy.size(-1)}).sum(0);
     }
     if (ctx->needs_input_grad(1)) {
-      py::gil_scoped_acquire gil;
-      py::handle(ctx->saved_data["add"].toPyObject())(x, dy);  // a Python error propagates as itself
+      at::Tensor acc;
+      {
+        py::gil_scoped_acquire gil;  // a Python error propagates as itself
+        acc = py::cast<at::Tensor>(py::handle(ctx->saved_data["acc_of"].toPyObject())());
+      }
+      static const auto wgrad = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("gradaccel::wgrad_accumulate_", "")
+                                    .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+      wgrad.call(acc, x, dy, 1.0);
     }
     return {dx, at::Tensor(), db, at::Tensor()};
   }
 };
 
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                        py::object add) {
-  TORCH_CHECK_TYPE(PyCallable_Check(add.ptr()), "gradaccel.fused_linear: add must be callable");
-  c10::intrusive_ptr<c10::ivalue::PyObjectHolder> held = c10::make_intrusive<PyCallable>(std::move(add));
+                        py::object acc_of) {
+  TORCH_CHECK_TYPE(PyCallable_Check(acc_of.ptr()), "gradaccel.fused_linear: acc_of must be callable");
+  c10::intrusive_ptr<c10::ivalue::PyObjectHolder> held = c10::make_intrusive<PyCallable>(std::move(acc_of));
   return FusedLinear::apply(x, weight, bias, c10::IValue(std::move(held)));
 }
 
 }  // namespace
 
 void init_fused_linear(py::module_& m) {
-  m.def("fused_linear", &fused_linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("add"),
-        "F.linear(x, weight, bias) whose backward calls add(x, dy) instead of making the weight's gradient.");
+  m.def("fused_linear", &fused_linear, py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("acc_of"),
+        "F.linear(x, weight, bias) whose backward adds dy^T x onto acc_of() instead of making the weight's gradient.");
 }
