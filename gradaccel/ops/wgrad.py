@@ -131,9 +131,16 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     tensor of the weight's shape. A C++ autograd function (gradaccel/ops/csrc/fused_linear.cpp):
     it runs once per routed layer per micro-batch, where a Python one costs tens of µs more.
     """
+    if _compiling():
+        return _fused_linear_eager(x, weight, bias, acc_of)  # a graph break, made on purpose
     if _wgrad_op is None:
         _load_ops()  # backward reaches the op through the dispatcher: its CUDA kernel must be registered
     return _ext.load().fused_linear(x, weight, bias, acc_of)
+
+
+# Dynamo cannot trace a pybind call with a side effect in backward; this keeps it from trying
+# (and from tracing the extension's first load). Eager calls skip the wrapper: it costs µs a layer.
+_fused_linear_eager = torch.compiler.disable(fused_linear)
 
 
 def embedding_accumulate_(acc: torch.Tensor, ids: torch.Tensor, dy: torch.Tensor, scale: float = 1.0,
