@@ -22,6 +22,7 @@ import re
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -97,17 +98,28 @@ class LiveBytes(TorchDispatchMode):
             peak during it)``.
 
     A storage that existed before the mode (parameters, inputs) is never counted, even when
-    an op returns a view of it or writes it in place.
+    an op returns a view of it or writes it in place. Entered under a ``FakeTensorMode`` it
+    counts fake tensors (a profile); entered outside one it counts real tensors only, so a
+    fake-tensor run inside a real count (``checkpoint_blocks(memory=...)`` planning in the
+    first step's forward) adds nothing, as on the device.
     """
 
     def __init__(self):
         super().__init__()
+        self._real_only = True
         self.live = 0
         self.peak = 0
         self.phase = None
         self.phases: dict = {}
         self._refs: dict = {}
         self._sizes: dict = {}  # storage key -> its bytes now (resized ones differ from at birth)
+
+    def __enter__(self):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        self._real_only = not any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+        return super().__enter__()
 
     def set_phase(self, label) -> None:
         self.phase = label
@@ -145,7 +157,7 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor) or self._real_only and (isinstance(t, FakeTensor) or t.is_meta):
                 continue
             st = t.untyped_storage()
             key = st._cdata

@@ -358,6 +358,16 @@ def test_parse_bytes_and_live_bytes():
         del z  # freed: the peak stays
         x.add_(1)  # in place on a tensor from before: not counted
     assert live.live == 4000 and live.peak == 8000 and v.shape == (10, 100)
+    # Fake tensors count where the count began under the fake mode (a profile), not where a
+    # real count has a fake run inside it (memory= planning in the first step): they take no memory.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode()
+    real, fake = LiveBytes(), LiveBytes()
+    with real:
+        with mode, fake:
+            w = torch.ones(1000) * 2
+        u = x * 3
+    assert real.peak == 4000 and fake.peak == 8000 and w.shape == u.shape
 
 
 def test_cli_on_a_config_file(tmp_path, capsys):

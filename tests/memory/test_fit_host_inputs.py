@@ -103,10 +103,12 @@ def test_memory_target_parks_inputs_where_only_that_fits():
     ref = gradaccel.checkpoint_blocks(_model(True).train())
     model = gradaccel.checkpoint_blocks(_model(True).train(), memory=memory)
     hf_step(ref, batch).backward()
-    with warnings.catch_warnings():
+    first = gradaccel.memory.LiveBytes()
+    with warnings.catch_warnings(), first:
         warnings.simplefilter("error", UserWarning)  # no "below the least" warning: it fits
-        hf_step(model, batch).backward()  # the first step plans, and traces each block
+        hf_step(model, batch).backward()  # the first step plans (on fake tensors), and traces each block
     model.zero_grad()
+    assert first.peak <= memory * 1.05, (first.peak, memory)  # before the first out-of-memory error
     live = gradaccel.memory.LiveBytes()
     with live:
         hf_step(model, batch).backward()
