@@ -183,9 +183,9 @@ class GradSlots:
         return out
 
     def sink_for(self, p: torch.Tensor) -> "_Sink | None":
-        """For ``fuse_wgrad``: a function that hands ``p``'s fp32 slice to ``add(slice)``, which
-        adds the micro-batch's gradient onto it, as the fold hook would have; None if ``p`` has
-        no slice here."""
+        """For ``fuse_wgrad``: ``p``'s :class:`_Sink`, which gives its fp32 slice to add the
+        micro-batch's gradient onto (``open()``, or ``sink(add)``) with the fold hook's window
+        bookkeeping; None if ``p`` has no slice here."""
         i = self._index.get(id(p))
         if i is None or self.params[i] is not p:
             return None
