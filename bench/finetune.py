@@ -9,6 +9,9 @@ loop (``accelerator.accumulate``, ``backward``, ``clip_grad_norm_``) over ``accu
 - ``gradaccel-b0.0`` / ``gradaccel-b0.5``: the same script plus ``gradaccel.hf.enable(accelerator,
   budget=...)``: at 0.0 the checkpoint keeps what HF's does (nothing inside a layer), at 0.5 up to
   half of each layer's activations, to recompute less.
+- ``gradaccel-b0.0-fused``: ``b0.0`` with ``fuse_wgrad=True``: the LoRA adapters' weight gradients
+  go from their GEMM straight into the fp32 buffer (docs/accumulation.md). Two routed layers per
+  adapted projection, each a small GEMM: where the per-layer cost shows.
 
 Per case: ``held_bytes`` (activation bytes one micro-batch's forward leaves for backward, by
 storage, after the plan is made), ``grad_memory`` (gradient bytes held between micro-batches),
@@ -27,7 +30,9 @@ from bench.common import pyplot, row, save_figure, time_interleaved
 
 SUITE = "finetune"
 BASELINE = "torch"
-VARIANTS = {"torch": None, "gradaccel-b0.0": 0.0, "gradaccel-b0.5": 0.5}  # name: gradaccel's budget
+# name: (gradaccel's budget, fuse_wgrad)
+VARIANTS = {"torch": (None, False), "gradaccel-b0.0": (0.0, False), "gradaccel-b0.5": (0.5, False),
+            "gradaccel-b0.0-fused": (0.0, True)}
 TABLE_METRICS = ["held_bytes", "grad_memory", "window_time", "window_time_ratio", "final_loss", "loss_max_abs_diff"]
 
 
@@ -42,7 +47,7 @@ def _case(device: str, quick: bool) -> dict:
 class _Run:
     """One variant of the stack, trained window by window on the same data."""
 
-    def __init__(self, path: str, c: dict, device: str, budget: float | None, data: torch.Tensor) -> None:
+    def __init__(self, path: str, c: dict, device: str, budget: float | None, fuse: bool, data: torch.Tensor) -> None:
         import accelerate
         import peft
         import transformers
@@ -57,7 +62,7 @@ class _Run:
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM"))
         self.acc = accelerate.Accelerator(gradient_accumulation_steps=c["accum"], cpu=device == "cpu")
         if budget is not None:
-            gradaccel.hf.enable(self.acc, budget=budget)
+            gradaccel.hf.enable(self.acc, budget=budget, fuse_wgrad=fuse)
         import bitsandbytes as bnb
         opt = bnb.optim.PagedAdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         self.model, self.opt = self.acc.prepare(model, opt)
@@ -132,7 +137,7 @@ def run(device: str, quick: bool) -> list[dict]:
         warnings.simplefilter("ignore")  # paged optimizers fall back to unpaged on CPU, with a warning
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-        runs = {name: _Run(path, c, device, budget, data) for name, budget in VARIANTS.items()}
+        runs = {name: _Run(path, c, device, budget, fuse, data) for name, (budget, fuse) in VARIANTS.items()}
         curves = {}
         for name, r in runs.items():  # the same data in the same order, from the same start
             curves[name] = [r.window() for _ in range(c["windows"])]
