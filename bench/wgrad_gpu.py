@@ -11,6 +11,11 @@ median, inputs of 64+ MiB, never zeros):
 Prints TFLOP/s and the ratios that issue 29 asks for (gradaccel >= 0.9x cuBLAS throughput, and
 faster than cuBLAS plus the fold), one line per shape, and checks the result against an fp32
 reference. Exits 0 whatever the ratios (the lines say PASS or FAIL); 1 if a result is wrong.
+
+Then whole layers, forward and backward of one micro-batch (:func:`layer_times`): a LoRA
+adapter's pair (r 16) and a full projection, bf16, 8K tokens: stock ``.grad`` accumulation, the
+fold and ``fuse_wgrad``, each under its own optimizer, interleaved. Whether ``fuse_wgrad`` pays
+on a GPU, launches and Python included, is what decides turning it on by default.
 """
 
 import sys
@@ -22,6 +27,43 @@ SHAPES = [  # (out, in, tokens)
     (14336, 4096, 8192),   # MLP up/gate
     (4096, 14336, 8192),   # MLP down
 ]
+
+
+LAYERS = {  # name: (in, out) of each nn.Linear in a chain, bias-free
+    "lora r16 pair 4096": ((4096, 16), (16, 4096)),
+    "projection 4096": ((4096, 4096),),
+}
+
+
+def layer_times(device: str, dtype: torch.dtype, tokens: int, layers: dict = LAYERS, reps: int = 20) -> dict:
+    """Seconds per micro-batch (forward and backward) of each chain in ``layers``, per variant:
+    ``{name: {"stock": s, "fold": s, "fused": s}}``, interleaved (bench.common.time_interleaved)."""
+    import copy
+
+    import torch.nn as nn
+
+    from bench.common import time_interleaved
+    from gradaccel import FusedAccumOptimizer
+
+    out = {}
+    for name, dims in layers.items():
+        torch.manual_seed(0)
+        base = nn.Sequential(*[nn.Linear(i, o, bias=False) for i, o in dims]).to(device, dtype)
+        x = torch.randn(tokens, dims[0][0], device=device, dtype=dtype)
+        models, opts = {}, {}
+        for v in ("stock", "fold", "fused"):
+            models[v] = m = copy.deepcopy(base)
+            if v != "stock":  # a window longer than the timing: no step, only the per-micro-batch work
+                opts[v] = FusedAccumOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), 1 << 30,
+                                              fuse_wgrad=v == "fused", module=m if v == "fused" else None)
+        assert len(opts["fused"].fused_layers) == len(dims), opts["fused"].fused_layers  # all routed
+
+        def micro(m=None):
+            m(x).float().square().mean().backward()
+        out[name] = time_interleaved({v: (lambda m=m: micro(m)) for v, m in models.items()}, device,
+                                     warmup=3, reps=reps)
+        del opts
+    return out
 
 
 def main() -> int:
@@ -56,6 +98,11 @@ def main() -> int:
         verdict = "PASS" if ratio >= 0.9 and vs_fold > 1.0 else "FAIL"
         print(f"{m:>6}x{n:>6}x{k:>6} {t_cublas:8.3f} {t_fold:8.3f} {t_ours:10.3f}  "
               f"{flops / t_ours / 1e9:7.1f}   {ratio:8.3f}x  {vs_fold:8.3f}x  {verdict}  (ms; err {err:.1e})")
+    print("\nwhole layers, bf16, 8192 tokens, one micro-batch forward and backward (ms):")
+    print(f"{'layers':>22} {'stock':>8} {'fold':>8} {'fused':>8}  fused vs fold")
+    for name, t in layer_times("cuda", torch.bfloat16, 8192).items():
+        print(f"{name:>22} {t['stock'] * 1e3:8.3f} {t['fold'] * 1e3:8.3f} {t['fused'] * 1e3:8.3f}  "
+              f"{t['fused'] / t['fold']:8.3f}x")
     return 1 if bad else 0
 
 

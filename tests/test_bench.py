@@ -281,3 +281,14 @@ def test_real_suite_tiny(name, tmp_path, monkeypatch):
 def test_ratio_format():
     assert [report.fmt_ratio(r) for r in (1.0, 0.385, 2.039, 99.96, 1234.0, math.inf)] == \
         ["1.00x", "0.385x", "2.04x", "100x", "1234x", "n/a"]
+
+
+def test_gpu_layer_times_run_on_cpu():
+    """bench/wgrad_gpu.py's whole-layer timing (run on a GPU by bench/gpu.sh), on tiny CPU layers:
+    each variant is timed, and the routed variant's layers really are routed."""
+    import torch
+
+    from bench.wgrad_gpu import layer_times
+
+    t = layer_times("cpu", torch.float32, 8, {"pair": ((8, 4), (4, 8))}, reps=1)
+    assert set(t["pair"]) == {"stock", "fold", "fused"} and all(s > 0 for s in t["pair"].values())
