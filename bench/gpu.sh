@@ -2,7 +2,7 @@
 # Everything a lent GPU machine is for, in one call (the device tool's `run`, timeout_s 590):
 # build the CUDA extension against the machine's own torch, run the suite on CUDA, then
 # `python -m bench --device cuda`, which writes its tables into bench/RESULTS.md. What comes
-# back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, checks.log (the wgrad GEMM
+# back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, checks.log (the wgrad GEMM and whole layers
 # against cuBLAS, deepspeed's install, the seed script at every length, one long-context step
 # with the block inputs on the host against on the device), bench.log, RESULTS.md, report.md,
 # results.json. Commit the returned RESULTS.md.
@@ -40,7 +40,7 @@ timeout 170 "$PY" -m pytest -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
 echo "tests exit $?"
 tail -15 "$OUT/tests.log"
 
-echo "== wgrad GEMM (Triton, accumulate epilogue) vs cuBLAS"
+echo "== wgrad GEMM (Triton, accumulate epilogue) vs cuBLAS; routed layers vs the fold"
 timeout 45 "$PY" -m bench.wgrad_gpu > "$OUT/checks.log" 2>&1
 echo "wgrad exit $?"
 tail -20 "$OUT/checks.log"
