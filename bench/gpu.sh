@@ -2,8 +2,9 @@
 # Everything a lent GPU machine is for, in one call (the device tool's `run`, timeout_s 590):
 # build the CUDA extension against the machine's own torch, run the suite on CUDA, then
 # `python -m bench --device cuda`, which writes its tables into bench/RESULTS.md. What comes
-# back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, checks.log (the wgrad GEMM and whole layers
-# against cuBLAS, deepspeed's install, the seed script at every length, one long-context step
+# back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, checks.log (the wgrad GEMM
+# against cuBLAS and routed layers against the fold, deepspeed's install, the seed script at
+# every length, one long-context step
 # with the block inputs on the host against on the device), bench.log, RESULTS.md, report.md,
 # results.json. Commit the returned RESULTS.md.
 #
