@@ -4,9 +4,8 @@
 # `python -m bench --device cuda`, which writes its tables into bench/RESULTS.md. What comes
 # back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, checks.log (the wgrad GEMM
 # against cuBLAS and routed layers against the fold, deepspeed's install, the seed script at
-# every length, one long-context step
-# with the block inputs on the host against on the device), bench.log, RESULTS.md, report.md,
-# results.json. Commit the returned RESULTS.md.
+# every length, one long-context step with the block inputs on the host against on the device),
+# bench.log, RESULTS.md, report.md, results.json. Commit the returned RESULTS.md.
 #
 # On a machine with two GPUs the bench's distributed suite runs too (NCCL, 2 ranks: FSDP2, the DDP
 # Trainer row and the DeepSpeed ZeRO-2 Trainer row); for the last, deepspeed is installed first
