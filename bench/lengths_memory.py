@@ -34,8 +34,8 @@ def step(model, ids):
 
 
 def peak(model, ids):
-    """The step's peak of live bytes, measured on a step of its own: planning's fake tensors
-    (the first call at a length) would be counted otherwise."""
+    """The step's peak of live bytes, on a step of its own after the timed one (which planned:
+    LiveBytes leaves planning's fake tensors out, but its dispatch mode would slow the timing)."""
     model.zero_grad(set_to_none=True)
     with LiveBytes() as live:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
