@@ -107,11 +107,8 @@ def _cases(quick: bool) -> list[tuple]:
     def llama_batch(gen, dtype):
         return torch.randint(0, vocab, (lb, lt), generator=gen)
 
-    def make_llama():
-        return Llama(hidden, layers, vocab)
-    make_llama.vocab = vocab
     return [(f"linear stack {n}x{width}", lambda: LinearStack(width, n), stack_batch, window),
-            (f"llama h{hidden} L{layers} v{vocab // 1000}k", make_llama, llama_batch, window)]
+            (f"llama h{hidden} L{layers} v{vocab // 1000}k", lambda: Llama(hidden, layers, vocab), llama_batch, window)]
 
 
 def _window_rows(case, runs, batches, device, reps, add) -> dict[str, int]:
@@ -127,8 +124,6 @@ def _window_rows(case, runs, batches, device, reps, add) -> dict[str, int]:
         add(case, v, "window_time", times[v], "s")
         add(case, v, "peak_bytes", live.peak, "B")
     return peaks
-
-
 
 
 def _largest_in_backward(run: "_Run", batch) -> int:
@@ -152,12 +147,6 @@ def chunked_head_rows(device: str, quick: bool, add) -> None:
     several chunks the fold sums the head's gradient in an fp32 buffer alive through the loop, as
     at any real length (2,048 tokens at a 128K vocabulary are 32 chunks)."""
     name, make_model, _, window = _cases(quick)[1]
-    vocab = make_model.vocab
-    rows = 8 if tiny() else 2 * chunk_rows(1, vocab)
-
-    def make_batch(gen, dtype):
-        return torch.randint(0, vocab, (1, rows), generator=gen)
-
     window = min(window, 2)  # a bf16 micro-batch of 262 rows is seconds here; the peak is one window's
     reps = 3 if quick or tiny() else 5
     for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
@@ -169,8 +158,10 @@ def chunked_head_rows(device: str, quick: bool, add) -> None:
             base = make_model().to(dtype)
             runs = {v: _Run(v, copy.deepcopy(base) if v == "torch-stock" else copy.deepcopy(base).chunked(), window)
                     for v in VARIANTS}
+            vocab = base.lm.config.vocab_size
+            rows = 8 if tiny() else 2 * chunk_rows(1, vocab)
             gen = torch.Generator().manual_seed(2)
-            batches = [make_batch(gen, dtype) for _ in range(window)]
+            batches = [torch.randint(0, vocab, (1, rows), generator=gen) for _ in range(window)]
             peaks = _window_rows(case, runs, batches, device, reps, add)
             for v, r in runs.items():
                 add(case, v, "largest_in_backward", _largest_in_backward(r, batches[0]), "B")
@@ -262,7 +253,7 @@ def overhead_rows(device: str, quick: bool, add) -> None:
     """What routing costs per layer where the GEMMs cost nothing: a stack of 16 Linear layers of
     width 16 on 8 tokens, fp32. ``window_time`` of the three variants, and ``layer_overhead``
     (s): fold's and fused's extra time over stock per layer and micro-batch (the fold's hooks; the
-    fused path's ``autograd.Function``, whose forward and backward are Python)."""
+    fused path's autograd function, ``gradaccel.ops.wgrad.fused_linear``, and its window sink)."""
     layers, window = 16, 4
     case = f"window linear stack {layers}x16 8 tokens fp32"
     progress(case)

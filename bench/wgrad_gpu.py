@@ -57,11 +57,8 @@ def layer_times(device: str, dtype: torch.dtype, tokens: int, layers: dict = LAY
                 opts[v] = FusedAccumOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), 1 << 30,
                                               fuse_wgrad=v == "fused", module=m if v == "fused" else None)
         assert len(opts["fused"].fused_layers) == len(dims), opts["fused"].fused_layers  # all routed
-
-        def micro(m=None):
-            m(x).float().square().mean().backward()
-        out[name] = time_interleaved({v: (lambda m=m: micro(m)) for v, m in models.items()}, device,
-                                     warmup=3, reps=reps)
+        out[name] = time_interleaved({v: (lambda m=m: m(x).float().square().mean().backward())
+                                      for v, m in models.items()}, device, warmup=3, reps=reps)
         del opts
     return out
 

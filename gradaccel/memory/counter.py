@@ -22,8 +22,8 @@ import re
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from gradaccel.recompute import host_inputs as _host_inputs
@@ -115,9 +115,6 @@ class LiveBytes(TorchDispatchMode):
         self._sizes: dict = {}  # storage key -> its bytes now (resized ones differ from at birth)
 
     def __enter__(self):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
         self._real_only = not any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
         return super().__enter__()
 
@@ -173,8 +170,6 @@ class LiveBytes(TorchDispatchMode):
 
 def _tell_counters(storage, delta: int) -> None:
     """Every active :class:`LiveBytes` hears of ``storage`` resized by ``delta`` bytes."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     for mode in _get_current_dispatch_mode_stack():
         if isinstance(mode, LiveBytes):
             mode._resized(storage._cdata, delta)

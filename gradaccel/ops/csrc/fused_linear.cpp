@@ -6,12 +6,12 @@
 //
 // Why C++: this runs once per routed layer per micro-batch, and LoRA adapters route two small
 // layers per adapted projection. As a Python torch.autograd.Function it cost ~115 µs a layer
-// over stock F.linear on this project's CPU, more than the fold it replaces (~45 µs); as this,
-// ~60 µs, the callable's Python included (bench/wgrad.py, "layer_overhead").
+// over stock F.linear on this project's CPU, more than the fold's hooks it replaces (~44 µs); as
+// this, ~49 µs, the callable's Python included (bench/wgrad.py, "layer_overhead").
 //
 // torch::autograd::Function (the stable C++ API) rather than a hand-made Node: Node's ownership
-// changed between torch releases (shared_ptr in 2.11, intrusive_ptr in 2.13) and this builds
-// against both.
+// changed between torch releases (shared_ptr in 2.11, intrusive_ptr in 2.13); Function's API is
+// the same in both.
 #include <torch/extension.h>
 
 #include <ATen/autocast_mode.h>
