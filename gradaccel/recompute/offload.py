@@ -1,6 +1,6 @@
 """Activation offload: park saved tensors in host memory and bring them back for backward.
 
-The store (``gradaccel/ops/csrc/store.cpp``, its pool ``gradaccel/ops/csrc/host_pool.cpp``, ``gradaccel/ops/csrc/cuda/store.cu``) keeps a
+The store (``gradaccel/ops/csrc/store.cpp``, its pool ``gradaccel/ops/csrc/host_pool.cpp``, ``gradaccel/ops/csrc/store_cuda.cpp``) keeps a
 pool of host buffers, pinned for CUDA tensors, that is reused from step to step. On CUDA every copy runs on a side stream,
 ordered by events: ``offload`` returns before the device-to-host copy ends, ``prefetch``
 starts the host-to-device copy early, and only ``fetch`` makes the current stream wait. CPU

@@ -1,9 +1,9 @@
 // CUDA runtime calls used by the activation store (gradaccel/ops/csrc/store.cpp, gradaccel/ops/csrc/host_pool.cpp), defined in
-// gradaccel/ops/csrc/cuda/store.cu on raw pointers and `void*` streams/events.
+// gradaccel/ops/csrc/store_cuda.cpp on raw pointers and `void*` streams/events.
 //
-// Plain C++ on purpose: the .cu includes it without torch, and the .cpp without CUDA headers
-// (the CPU torch wheel ships no c10/cuda CMake headers). Every function returns the
-// cudaError_t value as an int (0 = success); error_string() turns it into text.
+// Plain C++ on purpose: no CUDA header is needed anywhere (the CPU torch wheel ships no
+// c10/cuda headers, and a CUDA torch needs no toolkit to build gradaccel). Every function
+// returns the cudaError_t value as an int (0 = success); error_string() turns it into text.
 #pragma once
 
 #include <cstddef>
