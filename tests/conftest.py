@@ -28,6 +28,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "triton: launches Triton kernels on the test's `device`")
 
 
+def pytest_sessionstart(session):
+    """Builds the C++ extension before the first test, if this machine has no build of it yet:
+    minutes once, which would otherwise land inside whichever test first needs it (and inside
+    the time limits of the tests that start ranks)."""
+    from gradaccel.ops import extension
+
+    extension.load()
+
+
 def pytest_collection_modifyitems(config, items):
     if TRITON_ON_CPU:
         return

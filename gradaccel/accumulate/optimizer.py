@@ -28,6 +28,7 @@ from gradaccel.accumulate import wgrad as _wgrad
 from gradaccel.accumulate.slots import GradSlots
 from gradaccel.accumulate.sync import window_sync
 from gradaccel.accumulate.window import WindowNorm, WindowScheduler, check_accum_steps
+from gradaccel.ops import extension
 
 __all__ = ["FusedAccumOptimizer", "WindowScheduler"]
 
@@ -126,6 +127,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if process_group is not None and not (dist.is_available() and dist.is_initialized()):
             raise ValueError("process_group was given but torch.distributed is not initialized; "
                              "call torch.distributed.init_process_group first")
+        extension.load()  # built here, on its first use, never inside a training step or a Dynamo trace
 
         self.optimizer = optimizer
         self.__dict__.update(_optimizer_internals())

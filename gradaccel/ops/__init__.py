@@ -4,7 +4,7 @@
   ``finalize_`` serve ``FusedAccumOptimizer``. Registered as ``torch.ops.gradaccel.<name>``
   (gradaccel/ops/accumulate.py), with a C++ kernel on CPU and a Triton kernel on CUDA.
 - ``gradaccel/ops/triton/``: the Triton kernels and their launchers.
-- ``gradaccel/ops/csrc/``: the C++/CUDA sources of the extension ``gradaccel._C`` (the CPU
+- ``gradaccel/ops/csrc/``: the C++ sources of the extension (``gradaccel_C``: the CPU
   kernels, the recompute planner, the activation store), loaded by gradaccel/ops/extension.py.
 """
 

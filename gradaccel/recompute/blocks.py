@@ -20,6 +20,7 @@ import torch.nn as nn
 
 # The budget rule is gradaccel.checkpoint's own, checked here too so that a bad value fails at
 # set-up rather than in the middle of the first training step.
+from gradaccel.ops import extension
 from gradaccel.recompute.checkpoint import _check_budget, _checkpoint, check_cost
 from gradaccel.recompute.host_inputs import run_parked
 
@@ -337,6 +338,7 @@ def install(model, budget=None, block_types=None, cost="flops", offload=False, i
     reason = _already_checkpointed(model, hf)
     if reason is not None:
         raise RuntimeError(f"checkpoint_blocks: {reason}; calling it again would recompute blocks twice")
+    extension.load()  # built here, on its first use, never inside a training step or a Dynamo trace
 
     if hf:
         if block_types is not None:

@@ -1,5 +1,5 @@
 // The layout of the Triton fold's launch plan: its one definition. gradaccel/ops/csrc/accumulate.cpp writes
-// plans in it; gradaccel._C.fold_plan_layout() hands it to gradaccel/ops/triton/accumulate.py, which
+// plans in it; the extension's fold_plan_layout() hands it to gradaccel/ops/triton/accumulate.py, which
 // reads plans through it (nothing in Python restates these numbers).
 //
 // A plan is one int64 CPU tensor: the header; the indices of the `strided` non-contiguous grads

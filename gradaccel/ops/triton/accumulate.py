@@ -5,8 +5,8 @@ Three ops, all in fp32 arithmetic with int64 element offsets and every load mask
 - ``scale_accumulate(acc, grad, scale)``: ``acc += grad * scale`` for one tensor of any strides.
 - ``fold(flat, grads, offsets, scale)``: one launch folds a list of grads into their slices of a
   flat fp32 buffer, whatever their dtypes. A plan, built by the C++ extension in the layout it
-  defines (gradaccel/ops/csrc/fold_plan.h, read here through ``gradaccel._C.fold_plan_layout()``), holds a row
-  per grad (raw data address, numel, offset, first block, dtype code) and a block -> row map.
+  defines (gradaccel/ops/csrc/fold_plan.h, read here through the extension's ``fold_plan_layout()``),
+  holds a row per grad (raw data address, numel, offset, first block, dtype code) and a block -> row map.
   Raw addresses work on CUDA and in the interpreter (``TRITON_INTERPRET=1`` on CPU tensors)
   alike: the interpreter dereferences host addresses.
 - ``finalize(flat, scale)``: ``flat *= scale`` (``scale`` a 0-d tensor, read on the device),
