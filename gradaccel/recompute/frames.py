@@ -18,7 +18,7 @@ from gradaccel.recompute.plan import Plan, _view, make_plan, rebuildable
 from gradaccel.recompute.roles import Source
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.storage import lazy_bits
-from gradaccel.recompute.trace import Graph, Recorder, node_kind
+from gradaccel.recompute.trace import Graph, Recorder, same_meta
 
 
 class Saved:
@@ -85,7 +85,7 @@ class Frame:
         formulas also predicts its strides and offset: a call that strays from them diverges."""
         if self.plan.graph.sized and strays(t, pack):
             return False
-        return _same_meta(t, pack)
+        return same_meta(t, pack)
 
     def _diverge(self, t: torch.Tensor):
         self.diverged = True  # not what the trace saw: keep it, and everything after it
@@ -336,7 +336,3 @@ def _versions(leaves: dict, plan: Plan) -> dict:
     that replay reads."""
     return {sid: (leaves[sid], leaves[sid]._version) for sid, src in plan.leaf_sources.items()
             if src.source in (Source.ARG, Source.OUT) and sid in leaves}
-
-
-def _same_meta(t: torch.Tensor, pack) -> bool:
-    return t.dtype == pack.dtype and t.shape == pack.size and node_kind(t) == pack.grad_fn

@@ -121,7 +121,9 @@ class Opaque:
 class Pack(View):
     """One tensor autograd saved for backward, in the order autograd saved them."""
 
-    grad_fn: object  # node_kind() of the tensor: tells apart ops that save the same shapes
+    grad_fn: object  # node_kind() of the tensor: tells apart ops that save the same shapes; INPUT
+    # for a storage from before the region, whose node is its caller's: a leaf copy of an argument
+    # and the argument itself (a non-leaf) are the same input to the region (see same_meta).
 
 
 class Graph:
@@ -292,7 +294,8 @@ class Graph:
     def add_pack(self, t: torch.Tensor) -> int:
         if lazy_bits(t):
             self.mark_dynamic("a saved conjugate or negative view")
-        pack = Pack(*self._view_of(t), node_kind(t))
+        view = self._view_of(t)
+        pack = Pack(*view, node_kind(t) if self.storages[view[0]].creator >= 0 else INPUT)
         self.packs.append(pack)
         return pack.storage
 
@@ -334,6 +337,17 @@ def _integer_index(func, args, kwargs) -> bool:
     indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
     return all(i is None or (isinstance(i, torch.Tensor) and not i.dtype.is_floating_point
                              and i.dtype not in (torch.bool, torch.uint8)) for i in indices)
+
+
+INPUT = "input"  # Pack.grad_fn of a saved tensor whose storage existed before the region
+
+
+def same_meta(t: torch.Tensor, pack: Pack) -> bool:
+    """Whether ``t`` may be the tensor the trace saw saved as ``pack``: its dtype, shape and, for
+    a tensor the region made, the kind of autograd node that made it. Not for a tensor from before
+    the region (an argument): which node made it is the caller's business, not the region's, and
+    planning on leaf copies of the arguments must hold for the arguments themselves."""
+    return t.dtype == pack.dtype and t.shape == pack.size and (pack.grad_fn is INPUT or node_kind(t) == pack.grad_fn)
 
 
 def node_kind(t: torch.Tensor):
