@@ -9,7 +9,6 @@ its casts are ops of their own; an op from outside aten runs under the autocast 
 for the aten ops inside it) and the generator restored to its state at region entry.
 """
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -19,9 +18,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradaccel.ops import extension as _ext
+from gradaccel.recompute.context import autocast_as, autocast_off, rng_restored
+from gradaccel.recompute.context import capture_rng, rng_state_bytes  # noqa: F401 (checkpoint.py, memory/profile.py)
 from gradaccel.recompute.roles import Leaf, Read, Source
 from gradaccel.recompute.cost import FLOPS_PER_BYTE, OFFLOAD_PROBE_BYTES, OpCost, price
-from gradaccel.recompute.trace import Graph, Ref, autocast_as
+from gradaccel.recompute.trace import Graph, Ref
 
 
 @dataclasses.dataclass
@@ -217,7 +218,7 @@ class Plan:
                         "gradaccel.checkpoint: a tensor the region read from outside its arguments was freed "
                         "before backward; pass it to the region as an argument.")
                 leaves[sid] = t
-        with torch.no_grad(), _autocast_off(graph.devices), _rng_restored(rng_state):
+        with torch.no_grad(), autocast_off(graph.devices), rng_restored(rng_state):
             for op_id, gone in zip(steps, releases):
                 op = graph.ops[op_id]
                 args = [self._arg(op_id, i, x, env, leaves) for i, x in enumerate(op.leaves)]
@@ -267,33 +268,6 @@ def _view(base: torch.Tensor, size, stride, offset, dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
 
 
-@contextlib.contextmanager
-def _autocast_off(devices):
-    with contextlib.ExitStack() as stack:
-        for kind in sorted({d.type for d in devices}):
-            stack.enter_context(torch.autocast(kind, enabled=False))
-        yield
-
-
-def capture_rng(devices) -> tuple:
-    """Generator states at region entry (CPU, and each CUDA device the region touches)."""
-    cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
-    return torch.get_rng_state(), [(i, torch.cuda.get_rng_state(i)) for i in cuda]
-
-
-@contextlib.contextmanager
-def _rng_restored(state):
-    if state is None:
-        yield
-        return
-    cpu, cuda = state
-    with torch.random.fork_rng(devices=[i for i, _ in cuda], device_type="cuda"):
-        torch.set_rng_state(cpu)
-        for i, s in cuda:
-            torch.cuda.set_rng_state(s, i)
-        yield
-
-
 def copy_device(graph: Graph) -> torch.device:
     """The device whose copies to host memory offload prices: the region's GPU, else the CPU."""
     return next((d for d in graph.devices if d.type == "cuda"), torch.device("cpu"))
@@ -335,19 +309,6 @@ def _flops_copy_cost(device: torch.device, d2h: float, h2d: float) -> float:
     else:
         local, balance = (d2h + h2d) / 2, FLOPS_PER_BYTE["cpu"]
     return 2 * balance * (local / d2h + local / h2d)
-
-
-def rng_state_bytes(graph: Graph) -> int:
-    """Bytes of the generator states a call saves for a replay of random ops (their size is
-    fixed per device: read once per set of devices)."""
-    found = _RNG_BYTES.get(graph.devices)
-    if found is None:
-        cpu, cuda = capture_rng(graph.devices)
-        found = _RNG_BYTES[graph.devices] = cpu.numel() + sum(s.numel() for _, s in cuda)
-    return found
-
-
-_RNG_BYTES: dict = {}  # frozenset of devices -> bytes of their generator states
 
 
 def _problem(graph: Graph, available: list, candidates: list, nbytes: list, values: list):

@@ -8,7 +8,6 @@ a view costs nothing and aliasing is counted once. Tensor arguments are kept as 
 Used once per input signature (see gradaccel/recompute/checkpoint.py); later calls run without it.
 """
 
-import contextlib
 import dataclasses
 import time
 import weakref
@@ -20,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from gradaccel.recompute.context import autocast_keys, autocast_state
 from gradaccel.recompute.cost import FLOPS_PER_BYTE, OpCost, price, run_timed  # noqa: F401 (FLOPS_PER_BYTE: fit.py)
 from gradaccel.recompute.flops import formula as _table_formula
 from gradaccel.recompute.roles import Leaf, Source
@@ -441,40 +441,6 @@ def is_foreign(func) -> bool:
     return getattr(func, "namespace", "aten") not in ("aten", "prims")
 
 
-_AUTOCAST_KEYS = {"cpu": torch._C.DispatchKey.AutocastCPU, "cuda": torch._C.DispatchKey.AutocastCUDA}
-
-
-def autocast_state() -> tuple:
-    """The autocast in force now: ((device type, dtype), ...) for each device type it is on for."""
-    return tuple((kind, torch.get_autocast_dtype(kind)) for kind in _AUTOCAST_KEYS if torch.is_autocast_enabled(kind))
-
-
-@contextlib.contextmanager
-def autocast_as(state: tuple):
-    """Autocast on exactly for the device types and dtypes of ``state`` (:func:`autocast_state`)."""
-    with contextlib.ExitStack() as stack:
-        for kind, dtype in state:
-            stack.enter_context(torch.autocast(kind, dtype=dtype))
-        yield
-
-
-@contextlib.contextmanager
-def _autocast_keys(state: tuple):
-    """Inside ``__torch_dispatch__`` the dispatch keys above the Python mode are excluded,
-    autocast's among them. An aten op has been through autocast already; an op from another
-    library runs aten ops of its own (bitsandbytes' CPU gemm_4bit calls ``F.linear``), which
-    autocast casts in a plain forward. They must be cast here too, or the traced call computes
-    in another dtype than every call after it."""
-    if not state:
-        yield
-        return
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for kind, _ in state:
-        exclude = exclude.remove(_AUTOCAST_KEYS[kind])
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
-        yield
-
-
 class Recorder(TorchDispatchMode):
     """Records every aten op run while it is active into ``graph``."""
 
@@ -495,7 +461,7 @@ class Recorder(TorchDispatchMode):
         if self.paused or (not measured and not foreign):
             out, seconds = func(*args, **kwargs), None
         else:  # an op's time is its cost ("measured"), or prices an op with no FLOP formula (see _flops)
-            with _autocast_keys(self.autocast if foreign else ()):
+            with autocast_keys(self.autocast if foreign else ()):
                 out, seconds = run_timed(func, args, kwargs, sync=measured)
         if not self.paused:
             if foreign:
