@@ -1,5 +1,6 @@
-"""What a replay runs under, as the forward it rebuilds did: the generator state and autocast.
-Shared by the trace (gradaccel/recompute/trace.py) and the replay (gradaccel/recompute/plan.py)."""
+"""What a replay or a recompute runs under, as the forward it rebuilds did: the generator state
+and autocast. Shared by the trace (gradaccel/recompute/trace.py), the replay
+(gradaccel/recompute/plan.py) and a call recomputed whole (gradaccel/recompute/frames.py)."""
 
 import contextlib
 

@@ -108,6 +108,14 @@ class Plan:
         random ops."""
         return self.uses_rng or (self.fallback is not None and self.fallback.uses_rng)
 
+    @functools.cached_property
+    def draws(self) -> bool:
+        """Whether the region draws random numbers that a recompute must draw again (with
+        ``preserve_rng_state``): a call then saves the generator state even where this plan
+        replays no random op, for a full recompute if the call strays from the trace
+        (gradaccel/recompute/frames.py), as torch.utils.checkpoint saves it on every call."""
+        return self.graph.preserve_rng_state and any(op.random and not _draws_nothing(op) for op in self.graph.ops)
+
     def externals_alive(self) -> bool:
         """False once a tensor read from outside the arguments has died: the region has
         changed (e.g. a closure captured a new tensor) and must be traced again."""
@@ -246,6 +254,20 @@ class Plan:
             return torch.empty_strided(x.size, x.stride, dtype=x.dtype, device=x.device)
         base = env[x.storage] if where is Read.REPLAY else leaves[x.storage]
         return _view(base, x.size, x.stride, x.offset, x.dtype)
+
+
+def _draws_nothing(op) -> bool:
+    """A random op at dropout probability 0, such as attention in a model without attention
+    dropout: it draws no random numbers (checked on CPU for scaled_dot_product_attention and dropout)."""
+    schema = getattr(op.func, "_schema", None)
+    if schema is None:
+        return False
+    args, kwargs = tree_unflatten(op.leaves, op.spec)
+    for i, a in enumerate(schema.arguments):
+        if a.name in ("dropout_p", "p"):
+            p = args[i] if i < len(args) else kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+            return isinstance(p, (int, float)) and p == 0
+    return False
 
 
 def _extent(x: Ref) -> int:

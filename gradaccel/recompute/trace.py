@@ -151,6 +151,7 @@ class Graph:
         self.activation_bytes = 0
         self.devices: frozenset = frozenset()
         self.preserve_rng_state = preserve_rng_state
+        self.autocast = autocast_state()  # at entry (the plan key holds it): a full recompute runs under it
         self._live = StorageMap()  # live storage -> its id
         self._strong: list = []  # externals, held for the traced call's own backward
         self._new_storage(0, torch.device("cpu"))  # Graph.RNG

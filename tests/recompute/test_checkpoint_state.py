@@ -180,7 +180,7 @@ def test_lstm_kernel_outputs_are_kept():
     assert_equal(grads(lambda t: gradaccel.checkpoint(region, t, budget=0.5), x), grads(region, x))
 
 
-def test_closure_state_is_part_of_the_signature_and_hidden_state_fails_loudly():
+def test_closure_state_is_part_of_the_signature_and_hidden_state_is_recomputed_whole():
     lin1, lin2 = nn.Linear(8, 8), nn.Linear(8, 8)
 
     def region(x):  # a closure over modules: their state is part of the signature
@@ -201,10 +201,8 @@ def test_closure_state_is_part_of_the_signature_and_hidden_state_fails_loudly():
 
     gradaccel.checkpoint(hidden, x, budget=0.75).sum().backward()
     holder.lin.weight.requires_grad_(True)
-    with pytest.warns(UserWarning, match="saved different tensors"):
-        out = gradaccel.checkpoint(hidden, x, budget=0.75)
-    with pytest.raises(RuntimeError, match="cannot be rebuilt"):
-        out.sum().backward()
+    with pytest.warns(UserWarning, match="saved different tensors"):  # the call that strays: recomputed whole
+        assert_equal(grads(lambda t: gradaccel.checkpoint(hidden, t, budget=0.75), x), grads(hidden, x))
     assert_equal(grads(lambda t: gradaccel.checkpoint(hidden, t, budget=0.75), x), grads(hidden, x))  # traced again
 
 
