@@ -98,11 +98,13 @@ def test_a_call_that_strays_after_a_dropped_tensor_is_recomputed_whole(mode, off
     assert row["mode"] == "selective" and row["calls"] == 2  # planned again on its new trace
 
 
-def test_the_recompute_draws_the_random_numbers_of_the_forward():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_the_recompute_draws_the_random_numbers_of_the_forward(device):
     # Dropout's output is kept (the replay draws nothing, so the plan alone would not save the
     # generator state); the recompute of the call that strays must draw the same mask again.
-    m = Switch(dropout=0.5)
-    x = torch.randn(4, 8, requires_grad=True)
+    m = Switch(dropout=0.5).to(device)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
     ours = lambda t: gradaccel.checkpoint(m, t, budget=0.5)  # noqa: E731
     for step, mode in enumerate(["cos", "sin"]):
         m.path["mode"] = mode
@@ -114,7 +116,7 @@ def test_the_recompute_draws_the_random_numbers_of_the_forward():
         assert_equal(got, grads(m, x, m))
         if step == 0:
             plan = next(r() for r in STATE.in_order).plan
-            assert not plan.needs_rng and plan.draws  # the recompute, not the plan, needs the state
+            assert plan.draws and (device == "cuda" or not plan.needs_rng)  # on CPU only the recompute needs it
 
 
 def test_an_argument_modified_after_a_call_that_strays_is_refused():
