@@ -6,8 +6,9 @@
   saved tensor.
 - blocks.py: finds a model's repeated blocks and wraps each in a checkpoint (the mechanism
   under ``gradaccel.checkpoint_blocks``).
-- storage.py (who is which storage), split_off.py (data-dependent submodules), state.py (the
-  module-level caches that ``reset_plans`` clears).
+- storage.py (who is which storage), context.py (the generator state and autocast a replay
+  runs under), split_off.py (data-dependent submodules), state.py (the module-level caches that
+  ``reset_plans`` clears).
 """
 
 from gradaccel.recompute.checkpoint import OpCost, checkpoint, checkpoint_sequential, plan_report, plan_rows, reset_plans

@@ -397,9 +397,9 @@ def _run_sized(region, regions, key, fn, args, kwargs, flat):
 
 def _run_planned(region, regions, key, fn, args, kwargs, flat):
     plan = region.plan
-    rng = capture_rng(plan.graph.devices) if plan.needs_rng else None
-    frame = Frame(plan, flat, rng) if region.store is None or not plan.offloaded else \
-        OffloadFrame(plan, flat, rng, region.store)
+    rng = capture_rng(plan.graph.devices) if plan.needs_rng or plan.draws else None
+    frame = Frame(plan, flat, rng, (fn, args, kwargs)) if region.store is None or not plan.offloaded else \
+        OffloadFrame(plan, flat, rng, region.store, (fn, args, kwargs))  # the call: rerun if it strays
     with saved_tensors_hooks(frame.pack, frame.unpack), active(frame):
         out = fn(*args, **kwargs)
     if not frame.finish(out):
@@ -409,8 +409,8 @@ def _run_planned(region, regions, key, fn, args, kwargs, flat):
             structure.strayed(key)
         _warn_once(("diverged", region.name),
                    f"gradaccel.checkpoint: {region.name} saved different tensors than when it was traced for "
-                   "the same input signature; it is traced again on its next call. Make the region's behaviour "
-                   "depend only on its arguments (and module.training).")
+                   f"the same input signature ({frame.divergence}): this call is recomputed whole, and the region "
+                   "traced again. Make the region's behaviour depend only on its arguments (and module.training).")
     return out
 
 

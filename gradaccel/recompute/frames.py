@@ -7,18 +7,22 @@ the trace; ``OffloadFrame`` adds host memory. See gradaccel/recompute/checkpoint
 """
 
 import collections
+import contextlib
 import weakref
 
 import torch
 import torch.utils.checkpoint as _tc
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
 from gradaccel.recompute.lengths import strays
+from gradaccel.recompute.context import autocast_as, autocast_off, rng_restored
 from gradaccel.recompute.plan import Plan, _view, make_plan, rebuildable
 from gradaccel.recompute.roles import Source
+from gradaccel.recompute.split_off import active
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.storage import lazy_bits
-from gradaccel.recompute.trace import Graph, Recorder, node_kind
+from gradaccel.recompute.trace import Graph, Recorder, same_meta
 
 
 class Saved:
@@ -43,9 +47,16 @@ class Saved:
 
 
 class Frame:
-    """Keeps or drops each saved tensor as the plan says; rebuilds dropped ones on unpack."""
+    """Keeps or drops each saved tensor as the plan says; rebuilds dropped ones on unpack.
 
-    def __init__(self, plan: Plan | None, flat: list, rng):
+    A call that strays from the trace (it saves another tensor than the trace did at some point,
+    or more or fewer) keeps everything it saves from there on. What it dropped before cannot
+    always be replayed then: the replay may read a tensor the trace kept later, which this call
+    never handed over. Given ``call`` (the region and its arguments), such a call is recomputed
+    whole in backward instead, as torch.utils.checkpoint does (:meth:`_recompute`).
+    """
+
+    def __init__(self, plan: Plan | None, flat: list, rng, call: tuple | None = None):
         self.plan = plan  # None for the traced call: its plan is made at its end
         self.leaves: dict = {}  # storage -> the tensor replay starts from
         self.pack_leaves: dict = {}  # pack index -> storage: kept tensors replay reads
@@ -55,8 +66,12 @@ class Frame:
             self.pack_leaves = {**plan.out_pack_leaves, **plan.pack_leaves}
             self.out_leaves = plan.out_leaves
         self.rng = rng
+        # (function, args, kwargs) while the forward runs; after it, only where the call strayed.
+        self.call = call
         self.k = 0
         self.diverged = False
+        self.strayed_at = None  # the first pack index where the call strayed from the trace
+        self.divergence = ""  # that difference, for the warning
         self.results = None
         self.versions: dict = {}
         self.finished = False  # False while the forward runs: a backward then is inside it
@@ -85,16 +100,23 @@ class Frame:
         formulas also predicts its strides and offset: a call that strays from them diverges."""
         if self.plan.graph.sized and strays(t, pack):
             return False
-        return _same_meta(t, pack)
+        return same_meta(t, pack)
 
     def _diverge(self, t: torch.Tensor):
-        self.diverged = True  # not what the trace saw: keep it, and everything after it
+        if not self.diverged:  # not what the trace saw: keep it, and everything after it
+            k = self.k - 1  # t's pack index
+            self.diverged, self.strayed_at = True, k
+            graph = self.plan.graph
+            self.divergence = f"saved tensor {k} is {_made_by(t)}, where the trace saved " + \
+                (_traced(graph, graph.packs[k]) if k < len(graph.packs) else f"only {k} tensors")
         return Saved(t)
 
     @torch._disable_dynamo
     def unpack(self, x):
         if type(x) is not int:
             return x.unpack()
+        if self.diverged and self.call is not None and self.finished:
+            return self._recompute(x)
         if not self.finished:  # a backward inside the forward (a gradient penalty): only what it needs
             try:
                 return self.plan.replay(self.leaves, self.rng, packs=[x])[x]
@@ -110,12 +132,7 @@ class Frame:
     def _check_leaves(self) -> None:
         """Replay reads the arguments and outputs as they are now: refuse, loudly, what would
         rebuild the dropped tensors wrongly."""
-        for sid, (t, version) in self.versions.items():
-            if t._version != version:
-                raise RuntimeError(
-                    "gradaccel.checkpoint: an argument or output of the region was modified in place after "
-                    "its forward, and backward recomputes from it; modify a clone instead (or use budget=0, "
-                    "which recomputes from the arguments only).")
+        self._check_versions()
         missing = [sid for sid, src in self.plan.leaf_sources.items()
                    if sid not in self.leaves and src.source is not Source.OBJ]
         if missing:
@@ -126,15 +143,64 @@ class Frame:
                 "one, so that their training flags and frozen parameters are part of the signature), or call "
                 "gradaccel.reset_plans() after changing it.")
 
+    def _check_versions(self) -> None:
+        for t, version in self.versions.values():
+            if t._version != version:
+                raise RuntimeError(
+                    "gradaccel.checkpoint: an argument or output of the region was modified in place after "
+                    "its forward, and backward recomputes from it; modify a clone instead (or use budget=0, "
+                    "which recomputes from the arguments only).")
+
     def finish(self, out) -> bool:
         """Attaches the outputs replay reads; False when the call diverged from the trace."""
+        if not self.diverged and self.k != len(self.plan.keep):  # fewer saved tensors than traced
+            self.diverged, self.strayed_at = True, self.k
+            self.divergence = (f"it saved {self.k} tensors, where the trace saved {len(self.plan.keep)} "
+                               f"(the next: {_traced(self.plan.graph, self.plan.graph.packs[self.k])})")
+        self.finished = True
+        if self.diverged and self.call is not None:  # recomputed whole, from its arguments: no leaves
+            self.leaves = {}
+            self.versions = {id(t): (t, t._version) for t in tree_flatten(self.call[1:])[0]
+                             if isinstance(t, torch.Tensor)}
+            return False
+        self.call = None  # replay rebuilds what it dropped, from the leaves only
         if self.out_leaves:
             outs = tree_flatten(out)[0]
             for sid, j in self.out_leaves:
                 self.leaves[sid] = outs[j].detach()
         self.versions = _versions(self.leaves, self.plan)
-        self.finished = True
-        return not self.diverged and self.k == len(self.plan.keep)
+        return not self.diverged
+
+    def _recompute(self, x: int) -> torch.Tensor:
+        """A saved tensor of a call that strayed from its trace: the region runs again whole,
+        on the same arguments, generator state and autocast, and hands back the tensors this
+        call dropped (those before it strayed). ``x``: the pack index. The one way to rebuild
+        them that does not trust the trace."""
+        if self.results is None or x not in self.results:
+            self._check_versions()
+            fn, args, kwargs = self.call
+            # What this call handed to autograd as pack indices: the packs before it strayed
+            # that the plan does not keep (dropped or offloaded).
+            wanted = {k for k in range(self.strayed_at) if not self.plan.keep[k]}
+            results, count = {}, [0]
+
+            def pack(t):
+                k = count[0]
+                count[0] = k + 1
+                if k in wanted:
+                    results[k] = t.detach() if t.requires_grad else t
+                return k
+
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(rng_restored(self.rng))
+                stack.enter_context(autocast_off(self.plan.graph.devices))
+                stack.enter_context(autocast_as(self.plan.graph.autocast))
+                stack.enter_context(saved_tensors_hooks(pack, _never))
+                stack.enter_context(active(self))  # split-off submodules run as in the forward
+                fn(*args, **kwargs)
+            self.results = results
+        return self.results.pop(x)
 
 
 class OffloadFrame(Frame):
@@ -145,8 +211,8 @@ class OffloadFrame(Frame):
     recomputes instead, so the device budget still holds.
     """
 
-    def __init__(self, plan: Plan, flat: list, rng, store):
-        super().__init__(plan, flat, rng)
+    def __init__(self, plan: Plan, flat: list, rng, store, call: tuple | None = None):
+        super().__init__(plan, flat, rng, call)
         fallback = plan.fallback
         self.leaves.update({sid: flat[i] for sid, i in fallback.arg_leaves})
         self.pack_leaves = {**fallback.pack_leaves, **plan.pack_leaves}
@@ -177,10 +243,16 @@ class OffloadFrame(Frame):
                     self.handles[sid] = handle
         return x
 
+    def finish(self, out) -> bool:
+        same = super().finish(out)
+        if self.call is not None:  # strayed: recomputed whole, offloaded tensors too
+            _release(self.store, self.handles)
+        return same
+
     @torch._disable_dynamo
     def unpack(self, x):
-        if type(x) is not int:
-            return x.unpack()
+        if type(x) is not int or self.call is not None and self.finished:
+            return super().unpack(x)  # kept, or a call recomputed whole
         if not self.prefetched:  # this region's copies, and the next region's (backward order)
             self.prefetched = True
             previous = self.previous() if self.previous is not None else None
@@ -331,12 +403,27 @@ class TraceFrame(Frame):
         return super().unpack(x)
 
 
+def _never(k):
+    raise RuntimeError("gradaccel.checkpoint: a tensor saved while recomputing a region was unpacked (a "
+                       "backward inside the region's forward, during a recompute), which is not supported")
+
+
+def _made_by(t: torch.Tensor) -> str:
+    """A saved tensor in words: its shape, dtype and the autograd node that made it."""
+    node = "an input" if t.grad_fn is None else type(t.grad_fn).__name__
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} from {node}"
+
+
+def _traced(graph: Graph, pack) -> str:
+    """A traced saved tensor in words: its shape, dtype and the op (and submodule) that made it."""
+    creator = graph.storages[pack.storage].creator
+    op = graph.ops[creator] if creator >= 0 else None
+    where = "an input" if op is None else str(op.func) + (f" ({op.module})" if op.module else "")
+    return f"{tuple(pack.size)} {str(pack.dtype).removeprefix('torch.')} from {where}"
+
+
 def _versions(leaves: dict, plan: Plan) -> dict:
     """storage -> (tensor, version at the end of the forward) for the arguments and outputs
     that replay reads."""
     return {sid: (leaves[sid], leaves[sid]._version) for sid, src in plan.leaf_sources.items()
             if src.source in (Source.ARG, Source.OUT) and sid in leaves}
-
-
-def _same_meta(t: torch.Tensor, pack) -> bool:
-    return t.dtype == pack.dtype and t.shape == pack.size and node_kind(t) == pack.grad_fn

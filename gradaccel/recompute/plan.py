@@ -9,7 +9,6 @@ its casts are ops of their own; an op from outside aten runs under the autocast 
 for the aten ops inside it) and the generator restored to its state at region entry.
 """
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -19,9 +18,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradaccel.ops import extension as _ext
+from gradaccel.recompute.context import autocast_as, autocast_off, rng_restored
+from gradaccel.recompute.context import capture_rng, rng_state_bytes  # noqa: F401 (checkpoint.py, memory/profile.py)
 from gradaccel.recompute.roles import Leaf, Read, Source
 from gradaccel.recompute.cost import FLOPS_PER_BYTE, OFFLOAD_PROBE_BYTES, OpCost, price
-from gradaccel.recompute.trace import Graph, Ref, autocast_as
+from gradaccel.recompute.trace import Graph, Ref
 
 
 @dataclasses.dataclass
@@ -106,6 +107,14 @@ class Plan:
         """Whether a call must save the generator state: this plan, or its fallback, replays
         random ops."""
         return self.uses_rng or (self.fallback is not None and self.fallback.uses_rng)
+
+    @functools.cached_property
+    def draws(self) -> bool:
+        """Whether the region draws random numbers that a recompute must draw again (with
+        ``preserve_rng_state``): a call then saves the generator state even where this plan
+        replays no random op, for a full recompute if the call strays from the trace
+        (gradaccel/recompute/frames.py), as torch.utils.checkpoint saves it on every call."""
+        return self.graph.preserve_rng_state and any(op.random and not _draws_nothing(op) for op in self.graph.ops)
 
     def externals_alive(self) -> bool:
         """False once a tensor read from outside the arguments has died: the region has
@@ -217,7 +226,7 @@ class Plan:
                         "gradaccel.checkpoint: a tensor the region read from outside its arguments was freed "
                         "before backward; pass it to the region as an argument.")
                 leaves[sid] = t
-        with torch.no_grad(), _autocast_off(graph.devices), _rng_restored(rng_state):
+        with torch.no_grad(), autocast_off(graph.devices), rng_restored(rng_state):
             for op_id, gone in zip(steps, releases):
                 op = graph.ops[op_id]
                 args = [self._arg(op_id, i, x, env, leaves) for i, x in enumerate(op.leaves)]
@@ -247,6 +256,20 @@ class Plan:
         return _view(base, x.size, x.stride, x.offset, x.dtype)
 
 
+def _draws_nothing(op) -> bool:
+    """A random op at dropout probability 0, such as attention in a model without attention
+    dropout: it draws no random numbers (checked on CPU for scaled_dot_product_attention and dropout)."""
+    schema = getattr(op.func, "_schema", None)
+    if schema is None:
+        return False
+    args, kwargs = tree_unflatten(op.leaves, op.spec)
+    for i, a in enumerate(schema.arguments):
+        if a.name in ("dropout_p", "p"):
+            p = args[i] if i < len(args) else kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+            return isinstance(p, (int, float)) and p == 0
+    return False
+
+
 def _extent(x: Ref) -> int:
     """Bytes of ``torch.empty_strided(x.size, x.stride, dtype=x.dtype)``."""
     if any(n == 0 for n in x.size):
@@ -265,33 +288,6 @@ def _view(base: torch.Tensor, size, stride, offset, dtype) -> torch.Tensor:
             return base
         return base.as_strided(size, stride, offset)
     return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, size, stride)
-
-
-@contextlib.contextmanager
-def _autocast_off(devices):
-    with contextlib.ExitStack() as stack:
-        for kind in sorted({d.type for d in devices}):
-            stack.enter_context(torch.autocast(kind, enabled=False))
-        yield
-
-
-def capture_rng(devices) -> tuple:
-    """Generator states at region entry (CPU, and each CUDA device the region touches)."""
-    cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
-    return torch.get_rng_state(), [(i, torch.cuda.get_rng_state(i)) for i in cuda]
-
-
-@contextlib.contextmanager
-def _rng_restored(state):
-    if state is None:
-        yield
-        return
-    cpu, cuda = state
-    with torch.random.fork_rng(devices=[i for i, _ in cuda], device_type="cuda"):
-        torch.set_rng_state(cpu)
-        for i, s in cuda:
-            torch.cuda.set_rng_state(s, i)
-        yield
 
 
 def copy_device(graph: Graph) -> torch.device:
@@ -335,19 +331,6 @@ def _flops_copy_cost(device: torch.device, d2h: float, h2d: float) -> float:
     else:
         local, balance = (d2h + h2d) / 2, FLOPS_PER_BYTE["cpu"]
     return 2 * balance * (local / d2h + local / h2d)
-
-
-def rng_state_bytes(graph: Graph) -> int:
-    """Bytes of the generator states a call saves for a replay of random ops (their size is
-    fixed per device: read once per set of devices)."""
-    found = _RNG_BYTES.get(graph.devices)
-    if found is None:
-        cpu, cuda = capture_rng(graph.devices)
-        found = _RNG_BYTES[graph.devices] = cpu.numel() + sum(s.numel() for _, s in cuda)
-    return found
-
-
-_RNG_BYTES: dict = {}  # frozenset of devices -> bytes of their generator states
 
 
 def _problem(graph: Graph, available: list, candidates: list, nbytes: list, values: list):

@@ -8,7 +8,6 @@ a view costs nothing and aliasing is counted once. Tensor arguments are kept as 
 Used once per input signature (see gradaccel/recompute/checkpoint.py); later calls run without it.
 """
 
-import contextlib
 import dataclasses
 import time
 import weakref
@@ -20,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from gradaccel.recompute.context import autocast_keys, autocast_state
 from gradaccel.recompute.cost import FLOPS_PER_BYTE, OpCost, price, run_timed  # noqa: F401 (FLOPS_PER_BYTE: fit.py)
 from gradaccel.recompute.flops import formula as _table_formula
 from gradaccel.recompute.roles import Leaf, Source
@@ -121,7 +121,9 @@ class Opaque:
 class Pack(View):
     """One tensor autograd saved for backward, in the order autograd saved them."""
 
-    grad_fn: object  # node_kind() of the tensor: tells apart ops that save the same shapes
+    grad_fn: object  # node_kind() of the tensor: tells apart ops that save the same shapes; INPUT
+    # for a storage from before the region, whose node is its caller's: a leaf copy of an argument
+    # and the argument itself (a non-leaf) are the same input to the region (see same_meta).
 
 
 class Graph:
@@ -149,6 +151,7 @@ class Graph:
         self.activation_bytes = 0
         self.devices: frozenset = frozenset()
         self.preserve_rng_state = preserve_rng_state
+        self.autocast = autocast_state()  # at entry (the plan key holds it): a full recompute runs under it
         self._live = StorageMap()  # live storage -> its id
         self._strong: list = []  # externals, held for the traced call's own backward
         self._new_storage(0, torch.device("cpu"))  # Graph.RNG
@@ -292,7 +295,8 @@ class Graph:
     def add_pack(self, t: torch.Tensor) -> int:
         if lazy_bits(t):
             self.mark_dynamic("a saved conjugate or negative view")
-        pack = Pack(*self._view_of(t), node_kind(t))
+        view = self._view_of(t)
+        pack = Pack(*view, node_kind(t) if self.storages[view[0]].creator >= 0 else INPUT)
         self.packs.append(pack)
         return pack.storage
 
@@ -334,6 +338,17 @@ def _integer_index(func, args, kwargs) -> bool:
     indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
     return all(i is None or (isinstance(i, torch.Tensor) and not i.dtype.is_floating_point
                              and i.dtype not in (torch.bool, torch.uint8)) for i in indices)
+
+
+INPUT = "input"  # Pack.grad_fn of a saved tensor whose storage existed before the region
+
+
+def same_meta(t: torch.Tensor, pack: Pack) -> bool:
+    """Whether ``t`` may be the tensor the trace saw saved as ``pack``: its dtype, shape and, for
+    a tensor the region made, the kind of autograd node that made it. Not for a tensor from before
+    the region (an argument): which node made it is the caller's business, not the region's, and
+    planning on leaf copies of the arguments must hold for the arguments themselves."""
+    return t.dtype == pack.dtype and t.shape == pack.size and (pack.grad_fn is INPUT or node_kind(t) == pack.grad_fn)
 
 
 def node_kind(t: torch.Tensor):
@@ -427,40 +442,6 @@ def is_foreign(func) -> bool:
     return getattr(func, "namespace", "aten") not in ("aten", "prims")
 
 
-_AUTOCAST_KEYS = {"cpu": torch._C.DispatchKey.AutocastCPU, "cuda": torch._C.DispatchKey.AutocastCUDA}
-
-
-def autocast_state() -> tuple:
-    """The autocast in force now: ((device type, dtype), ...) for each device type it is on for."""
-    return tuple((kind, torch.get_autocast_dtype(kind)) for kind in _AUTOCAST_KEYS if torch.is_autocast_enabled(kind))
-
-
-@contextlib.contextmanager
-def autocast_as(state: tuple):
-    """Autocast on exactly for the device types and dtypes of ``state`` (:func:`autocast_state`)."""
-    with contextlib.ExitStack() as stack:
-        for kind, dtype in state:
-            stack.enter_context(torch.autocast(kind, dtype=dtype))
-        yield
-
-
-@contextlib.contextmanager
-def _autocast_keys(state: tuple):
-    """Inside ``__torch_dispatch__`` the dispatch keys above the Python mode are excluded,
-    autocast's among them. An aten op has been through autocast already; an op from another
-    library runs aten ops of its own (bitsandbytes' CPU gemm_4bit calls ``F.linear``), which
-    autocast casts in a plain forward. They must be cast here too, or the traced call computes
-    in another dtype than every call after it."""
-    if not state:
-        yield
-        return
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for kind, _ in state:
-        exclude = exclude.remove(_AUTOCAST_KEYS[kind])
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
-        yield
-
-
 class Recorder(TorchDispatchMode):
     """Records every aten op run while it is active into ``graph``."""
 
@@ -481,7 +462,7 @@ class Recorder(TorchDispatchMode):
         if self.paused or (not measured and not foreign):
             out, seconds = func(*args, **kwargs), None
         else:  # an op's time is its cost ("measured"), or prices an op with no FLOP formula (see _flops)
-            with _autocast_keys(self.autocast if foreign else ()):
+            with autocast_keys(self.autocast if foreign else ()):
                 out, seconds = run_timed(func, args, kwargs, sync=measured)
         if not self.paused:
             if foreign:

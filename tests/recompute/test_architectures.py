@@ -6,6 +6,7 @@ and state-space families, each against the same model without checkpointing.
 """
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -256,3 +257,49 @@ def test_a_data_dependent_submodule_is_split_off(budget):
                     torch.testing.assert_close(g, e, rtol=0, atol=0)  # same kernels, same masks
     (row,) = plan_rows()
     assert row["mode"] == "selective" and row["calls"] == 3 and row["split"][0].startswith("_EagerExperts")
+
+
+# -- a warm-up on copies of the inputs ------------------------------------------------------------
+def _copy(x, memo: dict):
+    """``x`` on a fresh storage with the same values, geometry and requires_grad (a leaf where
+    ``x`` may be a non-leaf); arguments that share a storage share the copy. Others as they are."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    storage = memo.setdefault(x.untyped_storage()._cdata, x.untyped_storage().clone())
+    copy = torch.empty(0, dtype=x.dtype, device=x.device).set_(storage, x.storage_offset(), x.shape, x.stride())
+    return copy.requires_grad_(x.requires_grad)
+
+
+def _warmed_up_on_copies(checkpoint_fn):
+    """A layer's checkpoint function that first runs the layer on copies of all its inputs (the
+    partial's keywords too: the shared rotary tables, masks, position bias), as transformers' own
+    gradient-checkpointing tests do before each call, then on the inputs themselves."""
+    def run(fn, *args, **kwargs):
+        memo = {}
+        copy = functools.partial(_copy, memo=memo)
+        copied = functools.partial(fn.func, *map(copy, fn.args), **{k: copy(v) for k, v in fn.keywords.items()})
+        with torch.random.fork_rng():
+            checkpoint_fn(copied, *map(copy, args), **{k: copy(v) for k, v in kwargs.items()})
+        return checkpoint_fn(fn, *args, **kwargs)
+    return run
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "gpt2", "falcon", "bloom", "t5", "whisper"])
+def test_a_plan_made_on_copies_of_the_inputs_serves_the_inputs(model_type):
+    # The trace saw leaf copies; the planned call sees the inputs, non-leaves made by the layers
+    # before: what matters to the region is the same (shapes, strides, aliasing, requires_grad).
+    reset_plans()
+    ref = _model(model_type)
+    model = copy.deepcopy(ref)
+    checkpoint_blocks(model, budget=0.5)
+    layers = [m for m in model.modules() if getattr(m, "_gradient_checkpointing_func", None) is not None]
+    assert layers
+    for layer in layers:
+        layer._gradient_checkpointing_func = _warmed_up_on_copies(layer._gradient_checkpointing_func)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="gradaccel")  # no "saved different tensors"
+        _assert_same_steps(ref, model, INPUTS[model_type])
+    rows = plan_rows()
+    # Traced once, on the copies; every call after it (the inputs, then both again) planned.
+    assert rows and all(r["mode"] == "selective" and r["calls"] == 4 for r in rows), \
+        [(r["region"], r["mode"], r["calls"]) for r in rows]
