@@ -22,6 +22,7 @@ import torch.nn as nn
 # set-up rather than in the middle of the first training step.
 from gradaccel.recompute.checkpoint import _check_budget, _checkpoint, check_cost
 from gradaccel.recompute.host_inputs import run_parked
+from gradaccel.recompute.report import remember_model
 
 __all__ = ["install", "set_budget", "release"]
 
@@ -337,6 +338,7 @@ def install(model, budget=None, block_types=None, cost="flops", offload=False, i
     reason = _already_checkpointed(model, hf)
     if reason is not None:
         raise RuntimeError(f"checkpoint_blocks: {reason}; calling it again would recompute blocks twice")
+    remember_model(model)  # plan_report names its blocks by their position in it
 
     if hf:
         if block_types is not None:
