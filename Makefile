@@ -27,7 +27,7 @@ STAMP := build/.gradaccel-installed
 # flock: several shells may build the one extension at once.
 LOCK  := flock build/.build.lock
 
-.PHONY: install test cuda-check compat bench results clean
+.PHONY: install test cuda-check compat bench bench-all results clean
 
 # The extension is rebuilt in place on every install: build/ is kept, so ninja recompiles only
 # what changed and a no-op takes seconds. (A stamp file would miss an edit made mid-build.)
@@ -95,9 +95,13 @@ compat:
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pytest -q tests
 
 # Writes bench/results/latest (ignored by git): the tree stays as it was. Publishing a run's
-# tables is a step of its own, `make results`.
+# tables is a step of its own, `make results`. `make bench`: the default suites, the first table
+# in minutes; `make bench-all`: every suite (what `make results` publishes).
 bench: install
 	$(PY) -m bench
+
+bench-all: install
+	$(PY) -m bench --all
 
 # Copies the latest run's tables into bench/RESULTS.md and its headline rows into README.md.
 results:

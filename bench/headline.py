@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from bench.report import fmt, fmt_ratio
+from bench.report import fmt, fmt_ratio, partial_run
 
 # (what it shows, suite, metric, PyTorch baseline, PyTorch's alternative or None, gradaccel)
 HEADLINE = [
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", type=Path, help="a `python -m bench --out` directory")
     p.add_argument("--readme", type=Path, default=Path(__file__).resolve().parents[1] / "README.md")
     a = p.parse_args(argv)
+    if partial_run(a.dir, "python -m bench.headline"):
+        return 2
     update(a.dir, a.readme)
     print(f"{a.readme}: headline updated from {a.dir / 'results.json'}")
     return 0
