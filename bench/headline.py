@@ -76,7 +76,7 @@ def update(results_dir: Path, target: Path) -> None:
     rows = json.loads((results_dir / "results.json").read_text())
     report = results_dir / "report.md"
     date = re.search(r"^\| date \| (\S+)", report.read_text(), re.M) if report.exists() else None
-    note = f"From `make bench` on {date.group(1)[:10]}; " if date else "From `make bench`; "
+    note = f"From `make bench-all` on {date.group(1)[:10]}; " if date else "From `make bench-all`; "
     section = (f"{START}\n{headline(rows)}\n{note}every table of that run: [bench/RESULTS.md](bench/RESULTS.md).\n"
                f"{END}")
     text = target.read_text()

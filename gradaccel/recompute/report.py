@@ -197,7 +197,8 @@ def _over_all_plans(every) -> list[str]:
             kept[r["signature"]] = kept.get(r["signature"], 0) + r["kept_bytes"]
     spread = f"; kept per signature {min(kept.values()) * _MIB:.2f} to {max(kept.values()) * _MIB:.2f} MiB" \
         if len(kept) > 1 else ""
-    return [f"all plans: {len(rows)} at {len({r['signature'] for r in rows})} input signatures; calls traced "
+    signatures = len({r["signature"] for r in rows})
+    return [f"all plans: {len(rows)} at {signatures} input signature{'s' if signatures > 1 else ''}; calls traced "
             f"{sum(s.traces for s in structures)} (a full recompute each), sized {sum(s.sized for s in structures)} "
             f"(from size formulas), planned {sum(s.planned for s in structures)} (a plan made before){spread}; "
             "plan_report(all_plans=True) lists each"]

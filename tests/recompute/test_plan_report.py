@@ -33,7 +33,7 @@ def test_report_names_modules_totals_and_no_stale_rows():
     assert len(row["replayed_where"]) == len(row["replayed_ops"])
     report = plan_report()
     assert report.splitlines()[0].startswith("kept/budget/no-ckpt:")  # the legend
-    assert report.splitlines()[-1].startswith("all plans: 1 at 1 input signatures")
+    assert report.splitlines()[-1].startswith("all plans: 1 at 1 input signature;")
     assert report.splitlines()[-2].startswith("total, one step (1 regions)")
     assert row["position"] is None and row["latest"]  # a plain checkpoint call: named by its callable
     assert row["signature"] in report  # not truncated
