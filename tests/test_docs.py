@@ -75,6 +75,26 @@ def test_long_context_figures_give_their_command():
         assert flag in command, flag
 
 
+def test_cited_files_exist():
+    """Each test, bench script and example a page cites by path is there (files move: tests/<room>/)."""
+    missing = []
+    for page in PAGES:
+        for path in re.findall(r"\b((?:tests|bench|examples)/[\w/]+\.(?:py|sh))\b", page.read_text()):
+            if not (ROOT / path).is_file():
+                missing.append(f"{page.name} -> {path}")
+    assert not missing, missing
+
+
+def test_checkpointing_flag_gives_both_names():
+    """transformers 5.25 names it activation_checkpointing=True (gradient_checkpointing=True is its
+    deprecated alias); the versions the package allows before it know only the old name. Where a
+    page writes the old name, the same paragraph gives the new one."""
+    for page in PAGES:
+        for paragraph in page.read_text().split("\n\n"):
+            if "gradient_checkpointing=True" in paragraph:
+                assert "activation_checkpointing=True" in paragraph, f"{page.name}: {paragraph[:200]}"
+
+
 def test_links_between_pages_resolve():
     missing = []
     for page in PAGES:

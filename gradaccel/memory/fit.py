@@ -454,12 +454,12 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
             the device peak, as the driver moves it to host memory when the device is short.
         lora: LoRA rank on every linear layer of the blocks (models built from a config).
         load_in_4bit: frozen block weights stored as nf4 (bitsandbytes, double quantisation),
-            sized by bitsandbytes' own quantisation run on fake tensors. A module already
+            sized as bitsandbytes' quantize_4bit stores them (``fixed_parts.nf4_bytes``). A module already
             quantised has its real storage counted but cannot be profiled: plan it before.
         dtype: weights' dtype for a model built from a config.
         master_weights: fp32 master copies of bf16/fp16 parameters (FusedAccumOptimizer).
         slack: bytes to leave for the allocator (rounding, fragmentation, CUDA context);
-            default 5% of ``memory`` plus 512 MiB, or 0 on a CPU-only machine's own models.
+            default 5% of ``memory``, plus 512 MiB where ``memory`` is over 4 GiB.
         micro_batches: micro-batch sizes to try (default: the divisors of ``batch``).
         make_batch: ``make_batch(micro_batch, seq) -> batch``, one micro-batch as ``loss_fn``
             takes it (any nesting of tensors; only shapes and dtypes are used). Needed for a
