@@ -133,21 +133,22 @@ def plan_report(all_plans: bool = False) -> str:
     shown = every if all_plans else sorted((x for x in every if x[0]["latest"]),
                                            key=lambda x: (x[2] is None, x[2] or 0))
     rows = [row for row, _, _ in shown]
+    label = f"sum of all {len(rows)} (never held)" if all_plans else f"total, one step ({len(rows)} regions)"
+    width = max([len(label)] + [len(_name(r)) for r in rows])  # names whole: a position can be long
     lines = ["kept/budget/no-ckpt: activation MiB a region holds for backward with this plan / may hold / "
              "would hold without checkpointing; replayed: ops rerun in backward; exact: the plan is proven "
              "least-cost; costs: ops with no FLOP formula, measured in the traced forward or bounded.",
-             f"{'block':<28} {'kept MiB':>9} {'budget MiB':>10} {'no-ckpt MiB':>11} {'replayed':>8} "
+             f"{'block':<{width}} {'kept MiB':>9} {'budget MiB':>10} {'no-ckpt MiB':>11} {'replayed':>8} "
              f"{'recompute GFLOP':>15}  exact  signature"]
     same_as = None  # (the row whose ops were listed last, its ops)
     for r in rows:
         ops = (r.get("kept_where"), r.get("replayed_where"))
         again = same_as is not None and same_as[1] == ops
-        lines += _row(r, None if not again else "above" if all_plans else _name(same_as[0]))
+        lines += _row(r, width, None if not again else "above" if all_plans else _name(same_as[0]))
         if not again:
             same_as = (r, ops)
     selective = [r for r in rows if r["mode"] == "selective"]
-    label = f"sum of all {len(rows)} (never held)" if all_plans else f"total, one step ({len(rows)} regions)"
-    lines.append(f"{label:<28} {_mib(selective, 'kept_bytes'):>9.2f} {_mib(selective, 'budget_bytes'):>10.2f} "
+    lines.append(f"{label:<{width}} {_mib(selective, 'kept_bytes'):>9.2f} {_mib(selective, 'budget_bytes'):>10.2f} "
                  f"{_mib(selective, 'total_bytes'):>11.2f} {'':>8} "
                  f"{sum(r['recompute_flops'] for r in selective) / 1e9:>15.4f}")
     lines += _calls_by_callable(every) if all_plans else _over_all_plans(every)
@@ -162,12 +163,12 @@ def _mib(rows, key) -> float:
     return sum(r[key] for r in rows) * _MIB
 
 
-def _row(r, same_as) -> list[str]:
+def _row(r, width, same_as) -> list[str]:
     """One region's lines; its ops are not listed again where they are those of ``same_as`` (the
     name of a row above)."""
     if r["mode"] != "selective":
-        return [f"{_name(r)[:28]:<28} {r['mode']}  {r['signature']}"]
-    lines = [f"{_name(r)[:28]:<28} {r['kept_bytes'] * _MIB:>9.2f} {r['budget_bytes'] * _MIB:>10.2f} "
+        return [f"{_name(r):<{width}} {r['mode']}  {r['signature']}"]
+    lines = [f"{_name(r):<{width}} {r['kept_bytes'] * _MIB:>9.2f} {r['budget_bytes'] * _MIB:>10.2f} "
              f"{r['total_bytes'] * _MIB:>11.2f} {len(r['replayed_ops']):>8} {r['recompute_flops'] / 1e9:>15.4f}  "
              f"{'yes' if r['exact'] else 'no ':<5}  {r['signature']}"]
     if same_as is not None:
