@@ -34,20 +34,23 @@ def describe(reason: str) -> str:
     return f"{reason} ({hint})" if hint else reason
 
 
-def _owners() -> tuple[dict, dict]:
-    """(id of each live region -> its position or None, ids of each owner's latest region). An
-    owner's regions are kept most recently used last (gradaccel/recompute/checkpoint.py)."""
+def _owners() -> tuple[dict, set]:
+    """(id of each live region -> (order, position) in its model or None, ids of the latest
+    regions): per callable and structure (its signature without sizes: one block, one segment),
+    the region it ran last. A callable's regions are kept most recently used last
+    (gradaccel/recompute/checkpoint.py)."""
     positions = {}
     for model in list(_MODELS):
         for k, (name, module) in enumerate(model.named_modules()):
             positions.setdefault(id(module), (k, name or type(model).__name__))
     where, latest = {}, set()
     for owner, regions in list(STATE.regions.items()):
-        live = [r for r in regions.values() if not getattr(r, "retired", False)]
-        for r in live:
-            where[id(r)] = positions.get(id(owner))
-        if live:
-            latest.add(id(live[-1]))
+        last = {}
+        for r in regions.values():
+            if not getattr(r, "retired", False):
+                where[id(r)] = positions.get(id(owner))
+                last[id(r.structure) if r.structure is not None else None] = r
+        latest.update(id(r) for r in last.values())
     return where, latest
 
 

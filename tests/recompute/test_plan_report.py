@@ -104,3 +104,17 @@ def test_report_is_the_step_the_user_is_on():
     assert sum(line.startswith("model.layers.") for line in every) == len(rows)
     assert any(line.startswith(f"sum of all {len(rows)}") for line in every)
     assert any(line.startswith("LlamaDecoderLayer.forward") and "traced" in line for line in every)
+
+
+def test_every_segment_of_the_latest_step_is_shown():
+    """checkpoint_sequential's segments share one function: each is a block of the step, so the
+    report shows each segment's latest plan, not only the last segment's."""
+    reset_plans()
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(Block() for _ in range(6)))
+    for rows in (4, 8, 6):
+        x = torch.randn(rows, 16, requires_grad=True)
+        gradaccel.checkpoint_sequential(layers, 3, x, budget=0.5).sum().backward()
+    latest = [r for r in plan_rows() if r["latest"]]
+    assert len(latest) == 2 and all(r["signature"].startswith("(6, 16)") for r in latest), latest
+    assert plan_report().splitlines()[-2].startswith("total, one step (2 regions)")
