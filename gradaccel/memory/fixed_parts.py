@@ -224,7 +224,7 @@ def nf4_bytes(shape: tuple, dtype: torch.dtype) -> int:
     ``quantize_4bit`` layout (nf4, blocks of 64, double quantisation, uint8 storage): 4 bits a
     weight, a uint8 absmax per block of 64, an fp32 absmax per 256 of those, a 16- and a
     256-entry fp32 code book and an fp32 offset. By formula, so that sizing never imports
-    bitsandbytes (seconds, and notices on stderr); tests/memory/test_fit.py checks it against
+    bitsandbytes (seconds, and notices on stderr); tests/memory/test_fit_cli.py checks it against
     bitsandbytes' own ``quantize_4bit`` on fake tensors, to the byte."""
     numel = math.prod(shape)
     blocks = -(-numel // 64)
