@@ -13,10 +13,8 @@ from gradaccel.memory.profile import KEEP_ALL
 
 __all__ = ["table", "modes", "summary", "phase_words"]
 
-_PHASES = {"pre": "forward before the first block (embeddings)",
-           "head": "the head and loss (after the last block's forward, before its backward)",
-           "tail": "backward after the first block (embeddings)",
-           "optimizer step": "the optimizer step"}
+_PHASES = {"pre": "the forward before the first block", "head": "the LM head and loss",
+           "tail": "the backward after the first block", "optimizer step": "the optimizer step"}
 _BLOCK_PHASE = re.compile(r"\('(fwd|bwd)', (\d+)\)")
 
 
