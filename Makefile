@@ -24,7 +24,7 @@ PACKAGE  := -e ".[$(EXTRAS)]"
 endif
 STAMP := build/.gradaccel-installed
 
-.PHONY: install test cuda-check compat bench results clean
+.PHONY: install test cuda-check compat bench bench-all results clean
 
 # The package installs as plain Python (editable here); its C++ extension is built on first use
 # into a cache keyed by torch version and sources (gradaccel/ops/extension.py), and here ahead
@@ -90,9 +90,13 @@ compat:
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pytest -q tests
 
 # Writes bench/results/latest (ignored by git): the tree stays as it was. Publishing a run's
-# tables is a step of its own, `make results`.
+# tables is a step of its own, `make results`. `make bench`: the default suites, the first table
+# in minutes; `make bench-all`: every suite (what `make results` publishes).
 bench: install
 	$(PY) -m bench
+
+bench-all: install
+	$(PY) -m bench --all
 
 # Copies the latest run's tables into bench/RESULTS.md and its headline rows into README.md.
 results:

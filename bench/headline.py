@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from bench.report import fmt, fmt_ratio
+from bench.report import fmt, fmt_ratio, partial_run
 
 # (what it shows, suite, metric, PyTorch baseline, PyTorch's alternative or None, gradaccel)
 HEADLINE = [
@@ -76,7 +76,7 @@ def update(results_dir: Path, target: Path) -> None:
     rows = json.loads((results_dir / "results.json").read_text())
     report = results_dir / "report.md"
     date = re.search(r"^\| date \| (\S+)", report.read_text(), re.M) if report.exists() else None
-    note = f"From `make bench` on {date.group(1)[:10]}; " if date else "From `make bench`; "
+    note = f"From `make bench-all` on {date.group(1)[:10]}; " if date else "From `make bench-all`; "
     section = (f"{START}\n{headline(rows)}\n{note}every table of that run: [bench/RESULTS.md](bench/RESULTS.md).\n"
                f"{END}")
     text = target.read_text()
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", type=Path, help="a `python -m bench --out` directory")
     p.add_argument("--readme", type=Path, default=Path(__file__).resolve().parents[1] / "README.md")
     a = p.parse_args(argv)
+    if partial_run(a.dir, "python -m bench.headline"):
+        return 2
     update(a.dir, a.readme)
     print(f"{a.readme}: headline updated from {a.dir / 'results.json'}")
     return 0

@@ -325,6 +325,23 @@ def update_results_md(report_md: Path, target: Path) -> str:
     return key
 
 
+def partial_run(results_dir: Path, prog: str) -> bool:
+    """Whether a CPU run in ``results_dir`` lacks a suite of ``python -m bench --all`` (said on
+    stderr). Publishing (`make results`) replaces the device's whole section and the README's
+    headline, so it takes whole runs only: `make bench` runs the default set, `make bench-all`
+    every suite."""
+    from bench.__main__ import SUITES
+
+    rows = json.loads((results_dir / "results.json").read_text())
+    if rows and rows[0]["device"] != "cpu":
+        return False  # bench/gpu.sh publishes its own set of suites, through --results-md
+    missing = [s for s in SUITES if s not in {r["suite"] for r in rows}]
+    if missing:
+        print(f"{prog}: {results_dir} lacks {', '.join(missing)}; publish a whole run (make bench-all), "
+              "not the default set of make bench", file=sys.stderr)
+    return bool(missing)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.report",
                                 description="Copy a bench run's tables into RESULTS.md (or the README).")
@@ -332,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-md", type=Path, default=REPO / "bench" / "RESULTS.md",
                    help="file whose <!-- bench:cpu|cuda:start/end --> section is replaced")
     a = p.parse_args(argv)
+    if partial_run(a.dir, "python -m bench.report"):
+        return 2
     key = update_results_md(a.dir / "report.md", a.results_md)
     print(f"{a.results_md}: {key} section updated from {a.dir / 'report.md'}")
     return 0

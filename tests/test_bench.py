@@ -181,6 +181,21 @@ def test_bad_threads_or_out_are_usage_errors(tmp_path, capsys):
     assert "cannot use --out" in capsys.readouterr().err
 
 
+def test_default_set_and_all(tmp_path, capsys):
+    """`make bench` runs the default set (accumulate, checkpoint, train: the first table in minutes),
+    `--all` (`make bench-all`) every suite; `make results` publishes whole CPU runs only."""
+    assert cli.parse_args([]).suites == list(cli.DEFAULT_SUITES) == ["accumulate", "checkpoint", "train"]
+    assert cli.parse_args(["--all"]).suites == list(cli.SUITES) and set(cli.DEFAULT_SUITES) < set(cli.SUITES)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--all", "--suite", "fit"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    for suites, refused in ((cli.DEFAULT_SUITES, True), (cli.SUITES, False)):
+        rows = [common.row(s, "c", "torch", "time", 1.0, "s", "cpu") for s in suites]
+        (tmp_path / "results.json").write_text(json.dumps(rows))
+        assert report.partial_run(tmp_path, "make results") == refused
+    assert "lacks finetune, distributed" in capsys.readouterr().err
+
+
 def test_pick_baseline():
     assert report.pick_baseline(["torch", "torch-ckpt", "gradaccel"], None) == "torch"
     assert report.pick_baseline(["torch-ckpt", "gradaccel"], None) == "torch-ckpt"

@@ -32,12 +32,13 @@ import torch.nn as nn
 
 from gradaccel.accumulate.optimizer import FusedAccumOptimizer
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
-from gradaccel.memory.counter import check_count, format_bytes, parse_bytes
+from gradaccel.memory import fit_table
+from gradaccel.memory.counter import check_count, parse_bytes
 from gradaccel.memory.fixed_parts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
                                           load_config, static_parts)
 from gradaccel.memory.presets import PRESETS
-from gradaccel.memory.parts import is_nested, slices_of, structure_notes
-from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
+from gradaccel.memory.parts import slices_of, structure_notes
+from gradaccel.memory.profile import Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute
 from gradaccel.memory.target import set_plans
 from gradaccel.recompute import blocks as blocks_mod
@@ -108,60 +109,16 @@ class Fit:
         return dataclasses.asdict(self)
 
     def table(self) -> str:
-        """The plan and its breakdown, as a readable table."""
-        host = sum(self.host.values())
-        lines = [f"micro-batch {self.micro_batch} x {self.accum_steps} accumulation steps, sequence {self.seq}"
-                 + (", loss in chunks (no whole logits made)" if self.chunked_loss else "")
-                 + (f", offload=True ({format_bytes(host)} on host)" if self.offload else "")
-                 + (f", block inputs on host ({format_bytes(host)} on host)" if self.inputs_on_host else "")
-                 + ("" if self.fits else "  (DOES NOT FIT)"),
-                 f"blocks: {self.modes()}",
-                 *(f"parts: {n}" for n in self.parts_notes),
-                 f"blocks keep {format_bytes(self.kept)} beyond their inputs; recompute "
-                 f"{self.recompute_flops / 1e12:.2f} TFLOP per micro-batch; step time "
-                 f"{self.time:.2f}x of no checkpointing (planner's cost model)",
-                 f"{'part':<44} {'bytes':>12}"]
-        for name, value in self.parts.items():
-            lines.append(f"{name:<44} {format_bytes(value):>12}")
-        lines.append(f"{'predicted peak (at ' + str(self.phase) + ')':<44} {format_bytes(self.peak):>12}")
-        lines.append(f"{'allocator slack (reserved, not measured)':<44} {format_bytes(self.slack):>12}")
-        for name, value in self.host.items():
-            lines.append(f"{'host: ' + name:<44} {format_bytes(value):>12}")
-        if self.memory is not None:
-            lines.append(f"{'target':<44} {format_bytes(self.memory):>12}")
-        for s in self.suggestions:
-            lines.append(f"advice: {s}")
-        for o in self.options:
-            lines.append(f"option: {o.summary()}")
-        return "\n".join(lines)
+        """The plan and its breakdown, as a readable table (gradaccel/memory/fit_table.py)."""
+        return fit_table.table(self)
 
     def modes(self) -> str:
-        """Each block's plan, runs of equal plans together: "0-13: budget 1.00 KiB; 14-31: parts"."""
-        def name(b):
-            n = slices_of(b)
-            if n:
-                mlp = "" if n == 1 else f", MLP in {n} slices of {-(-self.seq // n)} tokens"
-                return ("keep nothing, rebuilt as parts" if is_nested(b) else "parts") + mlp
-            if b is None or b == KEEP_ALL:
-                return "no checkpoint"
-            kind, b = b if isinstance(b, tuple) else ("", b)
-            return ("offload, " if kind == "offload" or self.offload else "") + (
-                "keep nothing" if b <= 1 else f"keep up to {format_bytes(b)}")
-        runs = []
-        for i, b in enumerate(self.budgets):
-            if runs and runs[-1][2] == name(b):
-                runs[-1][1] = i
-            else:
-                runs.append([i, i, name(b)])
-        return "; ".join((f"{a}" if a == z else f"{a}-{z}") + f": {n}" for a, z, n in runs)
+        """Each block's plan, runs of equal plans together: "0-13: keep up to 1.00 KiB; 14-31: parts"."""
+        return fit_table.modes(self)
 
     def summary(self) -> str:
         """One line: micro-batch, offload, predicted device peak, host bytes and step time."""
-        host = sum(self.host.values())
-        how = (", offload=True" if self.offload else "") + (", loss in chunks" if self.chunked_loss else "") + \
-            (", inputs on host" if self.inputs_on_host else "")
-        return (f"micro-batch {self.micro_batch} x {self.accum_steps}{how}: "
-                f"device peak {format_bytes(self.peak)}, host {format_bytes(host)}, step time {self.time:.2f}x")
+        return fit_table.summary(self)
 
 
 class Planner:
@@ -330,7 +287,7 @@ class Planner:
             return off
         worst.memory, worst.slack, worst.fits = memory, slack, False
         worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
-        if parked is not None and parked.peak < offload.peak:  # the least this step can take, and how
+        if parked is not None and parked.peak < min(offload.peak, worst.peak):  # the least this step can take, and how
             worst.suggestions += _suggest(setup, worst, usable, self.lora, self.load_in_4bit, parked)[-1:]
         return worst
 
@@ -497,12 +454,12 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
             the device peak, as the driver moves it to host memory when the device is short.
         lora: LoRA rank on every linear layer of the blocks (models built from a config).
         load_in_4bit: frozen block weights stored as nf4 (bitsandbytes, double quantisation),
-            sized by bitsandbytes' own quantisation run on fake tensors. A module already
+            sized as bitsandbytes' quantize_4bit stores them (``fixed_parts.nf4_bytes``). A module already
             quantised has its real storage counted but cannot be profiled: plan it before.
         dtype: weights' dtype for a model built from a config.
         master_weights: fp32 master copies of bf16/fp16 parameters (FusedAccumOptimizer).
         slack: bytes to leave for the allocator (rounding, fragmentation, CUDA context);
-            default 5% of ``memory`` plus 512 MiB, or 0 on a CPU-only machine's own models.
+            default 5% of ``memory``, plus 512 MiB where ``memory`` is over 4 GiB.
         micro_batches: micro-batch sizes to try (default: the divisors of ``batch``).
         make_batch: ``make_batch(micro_batch, seq) -> batch``, one micro-batch as ``loss_fn``
             takes it (any nesting of tensors; only shapes and dtypes are used). Needed for a

