@@ -273,7 +273,13 @@ def _patch_deepspeed(acc, budget) -> None:
         for a in args:
             if isinstance(a, nn.Module):
                 _checkpoint(a, state.budget, on=False, inputs_on_host=state.inputs_on_host)
-        return prepare(*args, device_placement=device_placement)
+        out = prepare(*args, device_placement=device_placement)
+        from gradaccel.integrations.hf_zero3 import Zero3Replay, offload_of
+        for m in (out if isinstance(out, tuple) else (out,)):
+            if type(m).__name__ == "DeepSpeedEngine" and m.zero_optimization_stage() == 3 and "_gradaccel_zero3" not in vars(m):
+                m._gradaccel_zero3 = Zero3Replay(m)
+                m._gradaccel_zero3.install()
+        return out
 
     acc.prepare = prepare_
 
