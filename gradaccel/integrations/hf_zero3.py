@@ -45,6 +45,13 @@ _FETCH_RELEASE = ("pre_sub_module_forward_function", "post_sub_module_forward_fu
                   "pre_sub_module_backward_function", "post_sub_module_backward_function")
 
 
+def zero3_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a DeepSpeed engine running ZeRO-3."""
+    from deepspeed import DeepSpeedEngine
+
+    return isinstance(obj, DeepSpeedEngine) and obj.zero_optimization_stage() == 3
+
+
 def offload_of(engine: Any):
     """The engine's ``DeepSpeedZeRoOffload`` (the object whose hooks gather parameters), or None."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
@@ -67,7 +74,8 @@ class Zero3Replay:
                              "(the object whose hooks gather parameters); gradaccel cannot follow its gathering")
         self.params = {id(p): p for p in engine.module.parameters()}
         self._handle = None
-        self.gathers = 0  # all-gathers this object ran for replays (tests, the bench)
+        self.gathers = 0  # the replays that gathered (tests, the bench)
+        self.gathered_bytes = 0  # the most bytes one replay gathered (one layer's released parameters)
 
     def install(self) -> None:
         off = self.offload
@@ -88,12 +96,6 @@ class Zero3Replay:
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
 
         mine = [t for t in tensors if id(t) in self.params and hasattr(t, "ds_status")]
-        import collections, os
-        self.__dict__.setdefault("seen", collections.Counter()).update(str(p.ds_status.name) for p in mine)
-        self.seen["calls"] += 1
-        import sys, traceback
-        sys.stderr.write(f"GA{os.environ.get('RANK')} call {self.seen['calls']} mine={[(p.ds_id, p.ds_status.name[0]) for p in sorted(mine, key=lambda p: p.ds_id)]} n_tensors={len(tensors)}\n")
-        sys.stderr.flush()
         inflight = [p for p in mine if p.ds_status == ZeroParamStatus.INFLIGHT]
         if inflight:
             self._wait(inflight)
@@ -101,6 +103,7 @@ class Zero3Replay:
         if not released:
             return contextlib.nullcontext()
         self.gathers += 1
+        self.gathered_bytes = max(self.gathered_bytes, sum(p.ds_numel * p.element_size() for p in released))
         return GatheredParameters(released)
 
     def _wait(self, params) -> None:

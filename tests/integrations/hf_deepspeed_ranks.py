@@ -188,8 +188,8 @@ def accelerate_run():
 
 
 def refused():
-    """On real DeepSpeed Trainers: ZeRO-3 and DeepSpeed's activation checkpointing are refused at
-    hf.enable, naming what works; bf16 accumulation is pointed at grad_accum_dtype."""
+    """On real DeepSpeed Trainers: DeepSpeed's activation checkpointing and ZeRO-3 parameters on
+    NVMe are refused at hf.enable, naming what works; bf16 accumulation is pointed at grad_accum_dtype."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     def trainer(cfg, **kw):
@@ -197,7 +197,8 @@ def refused():
         args = transformers.TrainingArguments(output_dir=os.path.join(OUT, "refused"), use_cpu=True, report_to=[],
                                               deepspeed=cfg, **kw)
         return transformers.Trainer(model=model, args=args, train_dataset=data(), data_collator=pad_collate)
-    for cfg, words in [(ds_config(stage=3), ["ZeRO-3", "fully_shard", '"stage": 2']),
+    nvme = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": OUT}}
+    for cfg, words in [(ds_config(zero_optimization=nvme), ["ZeRO-3", "NVMe", '"device": "cpu"']),
                        (ds_config(activation_checkpointing={"partition_activations": True}),
                         ["partition_activations", "gradient_checkpointing=True"])]:
         try:

@@ -49,15 +49,15 @@ def _accelerator(config, mixed_precision="no"):
 
 
 @pytest.mark.parametrize("config, words", [
-    ({"zero_optimization": {"stage": 3}}, ["ZeRO-3", "fully_shard", "sync='window'", '"stage": 2',
-                                             "Hugging Face's own checkpointing"]),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     ["ZeRO-3", "NVMe", '"offload_param": {"device": "cpu"}', "Hugging Face's own checkpointing"]),
     ({"zero_optimization": {"stage": 2}, "activation_checkpointing": {"cpu_checkpointing": True}},
      ["cpu_checkpointing", "deepspeed.checkpointing.checkpoint", "gradient_checkpointing=True", "offload=True"]),
 ])
 def test_refused_name_what_works(config, words):
     acc = _accelerator(config)
     with pytest.raises(ValueError) as err:
-        hf._patch_accelerator(acc, 0.5)
+        hf._enable_accelerator(acc, 0.5)
     assert all(w in str(err.value) for w in words), str(err.value)
     assert not hasattr(acc, "_gradaccel")  # nothing patched
 
@@ -68,15 +68,18 @@ def test_refused_name_what_works(config, words):
     ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}, "bf16", "bf16"),
     ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, "no", "fp32"),
     ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, "no", "fp16"),
+    ({"zero_optimization": {"stage": 3}, "data_types": {"grad_accum_dtype": "fp32"}}, "no", "fp32"),
 ])
 def test_split_said_once_naming_fp32_accumulation(config, mixed, accum):
     acc = _accelerator(config, mixed)
     with pytest.warns(UserWarning) as said:
-        hf._patch_accelerator(acc, 0.5)
-        hf._patch_accelerator(acc, 0.25)  # again (a new budget): nothing more said
+        hf._enable_accelerator(acc, 0.5)
+        hf._enable_accelerator(acc, 0.25)  # again (a new budget): nothing more said
     msgs = [str(w.message) for w in said if "gradaccel.hf.enable under DeepSpeed" in str(w.message)]
     assert len(msgs) == 1, msgs
     stage = config.get("zero_optimization", {}).get("stage", 0)
     assert f"ZeRO-{stage}" in msgs[0] and "DeepSpeed keeps the gradient" in msgs[0] and f"(in {accum})" in msgs[0]
     assert (hf_deepspeed.FP32_ACCUM in msgs[0]) == (accum != "fp32"), msgs[0]
-    assert acc._gradaccel.deepspeed and acc._gradaccel.budget == 0.25 and not acc._gradaccel.fused()
+    assert ("GatheredParameters" in msgs[0]) == (stage == 3), msgs[0]
+    state = acc._gradaccel
+    assert not state.backend.owns_gradient and state.budget == 0.25 and not state.fused()
