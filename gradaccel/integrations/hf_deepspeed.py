@@ -38,7 +38,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from gradaccel.integrations.hf_backend import Backend
+from gradaccel.integrations.hf_backend import Backend, Patches
 
 NVME_ROUTE = ('"offload_param": {"device": "cpu"} (or none) keeps ZeRO-3 with gradaccel\'s checkpointing; '
               "or keep NVMe and Hugging Face's own checkpointing, without gradaccel.hf.enable")
@@ -115,6 +115,7 @@ class DeepSpeed(Backend):
         self.stage = stage(config(acc))
         self.name = f"DeepSpeed ZeRO-{self.stage}"
         self.replays: list = []  # hf_zero3.Zero3Replay of each ZeRO-3 engine prepared
+        self.patches: Patches | None = None
 
     def check(self, fuse_wgrad: bool) -> None:
         if fuse_wgrad:
@@ -125,18 +126,20 @@ class DeepSpeed(Backend):
     def say(self, budget) -> None:
         say_split(self.acc, budget)
 
+    def install(self, patches: Patches) -> None:
+        self.patches = patches  # ZeRO-3 engines are patched as prepare makes them
+
     def prepared(self, objs: list) -> None:
         from gradaccel.integrations.hf_zero3 import Zero3Replay, zero3_engine
 
         for obj in objs:
             if zero3_engine(obj) and not any(r.engine is obj for r in self.replays):
                 replay = Zero3Replay(obj)
-                replay.install()
+                replay.install(self.patches)
                 self.replays.append(replay)
 
     def remove(self) -> None:
-        while self.replays:
-            self.replays.pop().remove()
+        self.replays.clear()  # their patches are undone with the accelerator's
 
 
 def say_split(acc: Any, budget) -> str:

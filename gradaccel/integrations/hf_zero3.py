@@ -34,10 +34,10 @@ plus the activations the budget keeps.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
-import torch.nn as nn
-
+from gradaccel.integrations.hf_backend import Patches
 from gradaccel.recompute import engine as _engine
 
 # The hooks of DeepSpeedZeRoOffload that gather or release a module's parameters.
@@ -63,8 +63,8 @@ def offload_of(engine: Any):
 
 
 class Zero3Replay:
-    """ZeRO-3's side of gradaccel's checkpoint for one engine: installed by :meth:`install`,
-    undone by :meth:`remove`."""
+    """ZeRO-3's side of gradaccel's checkpoint for one engine, installed through ``Patches``
+    (``gradaccel.hf.disable`` undoes it)."""
 
     def __init__(self, engine: Any):
         self.engine = engine
@@ -73,22 +73,21 @@ class Zero3Replay:
             raise ValueError("gradaccel: this DeepSpeed engine runs ZeRO-3 but holds no DeepSpeedZeRoOffload "
                              "(the object whose hooks gather parameters); gradaccel cannot follow its gathering")
         self.params = {id(p): p for p in engine.module.parameters()}
-        self._handle = None
         self.gathers = 0  # the replays that gathered (tests, the bench)
         self.gathered_bytes = 0  # the most bytes one replay gathered (one layer's released parameters)
 
-    def install(self) -> None:
-        off = self.offload
+    def install(self, patches: Patches) -> None:
+        """ZeRO-3's gathering and releasing run outside any region being traced: the module hooks'
+        fetch and release, and each parameter's own ``all_gather`` and ``partition`` (a parameter
+        read outside its module's forward, peft's ``lora_A.weight`` read by the LoRA layer, is
+        gathered on access by ZeRO-3's ``ZeROOrderedDict``). Registers the replay's gathering."""
         for name in _FETCH_RELEASE:
-            setattr(off, name, _unrecorded(getattr(off, name)))
-        self._handle = _engine.around_replay(self.gathered)
-
-    def remove(self) -> None:
-        for name in _FETCH_RELEASE:
-            vars(self.offload).pop(name, None)
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+            patches.set(self.offload, name, _unrecorded(getattr(self.offload, name)))
+        for p in self.params.values():
+            for name in ("all_gather", "partition"):
+                if name in vars(p):
+                    patches.set(p, name, _unrecorded(vars(p)[name]))
+        patches.on_undo(_engine.around_replay(self.gathered).remove)
 
     def gathered(self, tensors):
         """The parameters among ``tensors`` readable for a replay: gathers those ZeRO-3 has released,
@@ -120,7 +119,8 @@ class Zero3Replay:
 
 
 def _unrecorded(fn):
-    def run(module: nn.Module, *args, **kwargs):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
         with _engine.outside_regions():
-            return fn(module, *args, **kwargs)
+            return fn(*args, **kwargs)
     return run

@@ -222,14 +222,17 @@ def refused():
 SCENARIOS = {"full": full, "lora": lora, "bf16": bf16, "accelerate": accelerate_run, "refused": refused}
 
 
-def main():
+def main(scenarios=None):
+    """Runs ``scenarios`` (this script's by default; ``argv[2]``: a comma-separated choice) and
+    writes ``OUT/rank{r}.json``."""
+    scenarios = scenarios or SCENARIOS
     model_dir()  # before the process group: save_pretrained writes on the main process only
-    only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SCENARIOS)
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(scenarios)
     results = {}
     for name in only:
         t0 = time.monotonic()
         try:
-            SCENARIOS[name]()
+            scenarios[name]()
             results[name] = "ok"
         except BaseException:
             results[name] = traceback.format_exc()
