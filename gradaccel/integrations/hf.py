@@ -268,7 +268,9 @@ class _State:
             blocks.release(model)
             for m, flag, func in before:
                 m.gradient_checkpointing = flag
-                if func is not None:
+                if func is None:
+                    vars(m).pop("_gradient_checkpointing_func", None)
+                else:
                     m._gradient_checkpointing_func = func
             if not had_hook and hasattr(model, "_require_grads_hook"):
                 model.disable_input_require_grads()
