@@ -208,7 +208,7 @@ class Planner:
         self.zero3 = _zero3.check_ranks(zero3)
         self.static = static_parts(self.model, optim, master_weights, load_in_4bit)
         if self.zero3:
-            self.static = _zero3.sharded(self.static, self.model, self.zero3)
+            self.static = _zero3.sharded(self.static, self.model, find_blocks(self.model), self.zero3)
         self.load_in_4bit, self.lora = load_in_4bit, lora
         self.profiles = {}
         self._lengths = {}

@@ -27,7 +27,7 @@ def test_zero3_counts_a_ranks_share_and_what_is_gathered_at_once(vocab):
     model = transformers.LlamaForCausalLM(_config(vocab)).to(torch.bfloat16)
     block = max(sum(p.numel() * 2 for p in layer.parameters()) for layer in model.model.layers)
     embedding = model.model.embed_tokens.weight.numel() * 2
-    assert gathered_at_once(model) == max(block, embedding)
+    assert gathered_at_once(model, list(model.model.layers)) == max(block, embedding)
     trainable = sum(p.numel() for p in model.parameters())
     parts = ours.parts
     assert parts[f"weights (1/{ranks} of each, ZeRO-3)"] == math.ceil(whole.parts["weights"] / ranks)
@@ -47,3 +47,47 @@ def test_zero3_counts_a_ranks_share_and_what_is_gathered_at_once(vocab):
 def test_zero3_must_be_a_count(bad):
     with pytest.raises(ValueError, match="zero3"):
         estimate(_config(128), 64, 2, zero3=bad)
+
+
+def _as_if_sharded(model):
+    """``model`` as ZeRO-3 leaves it between modules' forwards: every parameter an empty placeholder
+    with its whole shape in ``ds_shape``, and a module hook of DeepSpeed's on every module."""
+    def gather(module, args):  # stands in for ZeRO-3's fetch: it must not run on a copy
+        raise AssertionError("a DeepSpeed hook ran on the profile's copy")
+    gather.__module__ = "deepspeed.runtime.zero.parameter_offload"
+    for p in model.parameters():
+        p.ds_shape = tuple(p.shape)
+        p.data = torch.empty(0, dtype=p.dtype)
+    for m in model.modules():
+        m.register_forward_pre_hook(gather)
+    return model
+
+
+def test_memory_target_plans_a_sharded_model_at_whole_shapes():
+    from gradaccel import checkpoint_blocks
+    from gradaccel.memory.profile import fake_copy, fake_mode
+    from gradaccel.memory.target import MemoryTarget
+    from gradaccel.memory.zero3 import is_sharded, whole_shape
+
+    cfg = _config(128)
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(cfg)
+    sharded = _as_if_sharded(transformers.LlamaForCausalLM(cfg))
+    assert is_sharded(sharded) and not is_sharded(plain)
+    copy = fake_copy(sharded, fake_mode())
+    assert [tuple(p.shape) for p in copy.parameters()] == [tuple(whole_shape(p)) for p in sharded.parameters()] == \
+        [tuple(p.shape) for p in plain.parameters()]
+    assert not any(h.__module__.startswith("deepspeed.") for m in copy.modules() for h in m._forward_pre_hooks.values())
+    # memory=: at the first training call (the hook, called as the model would call it) the plan of the
+    # sharded model predicts the same activations plus what ZeRO-3 gathers at once.
+    ids = torch.randint(0, 128, (2, 32))
+    chosen = []
+    for model in (plain, sharded):
+        checkpoint_blocks(model, memory=1 << 30)
+        target = next(h for h in model._forward_pre_hooks.values() if isinstance(h, MemoryTarget))
+        model.train()
+        target(model, (), {"input_ids": ids, "labels": ids})
+        chosen.append((target.gathered, *target.chosen.values()))
+    (free, (_, plain_peak, _)), (gathered, (_, sharded_peak, _)) = chosen
+    assert free == 0 and gathered == gathered_at_once(plain, list(plain.model.layers)) > 0
+    assert sharded_peak == plain_peak + gathered
