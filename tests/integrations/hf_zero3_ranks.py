@@ -1,6 +1,6 @@
-"""The rank script of tests/integrations/test_hf_zero3.py, launched as a user launches a DeepSpeed
-Trainer script: ``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/integrations/hf_zero3_ranks.py
-OUT_DIR`` (DeepSpeed's CPU accelerator, gloo).
+"""The ZeRO-3 rank script of tests/integrations/test_hf_deepspeed.py, launched as a user launches a
+DeepSpeed Trainer script: ``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2
+tests/integrations/hf_zero3_ranks.py OUT_DIR`` (DeepSpeed's CPU accelerator, gloo).
 
 Every scenario runs on both ranks and each rank writes ``OUT_DIR/rank{r}.json``: {scenario: "ok"
 or the traceback}. In each, stock DeepSpeed ZeRO-3 with Hugging Face's checkpointing and the same
@@ -23,12 +23,12 @@ warnings.filterwarnings("ignore")
 import transformers  # noqa: E402
 
 import gradaccel  # noqa: E402
-import hf_deepspeed_ranks as zero2  # noqa: E402  (DeepSpeed's CPU set-up, its config, main())
+import hf_deepspeed_ranks as zero2  # noqa: E402  (DeepSpeed's CPU set-up, its Trainer and loop, main())
 from bench.common import pad_collate  # noqa: E402
 from gradaccel.memory import LiveBytes  # noqa: E402
 from gradaccel.recompute.blocks import _HFCheckpoint  # noqa: E402
-from gradaccel.recompute.checkpoint import plan_rows, reset_plans  # noqa: E402
-from hf_ddp_ranks import OUT, RANK, data, load, logged, model_dir  # noqa: E402
+from gradaccel.recompute.checkpoint import plan_rows  # noqa: E402
+from hf_ddp_ranks import OUT, RANK, data, load, logged  # noqa: E402
 
 A, MICRO, WINDOWS, LAYERS = zero2.A, zero2.MICRO, zero2.WINDOWS, zero2.LAYERS
 RELEASED = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
@@ -53,21 +53,7 @@ def model_of(kind):
 def train(kind, use_gradaccel, out):
     """A ZeRO-3 Trainer on 2 CPU processes: uneven lengths, accumulation 4, HF checkpointing,
     clipping (DeepSpeed's, from max_grad_norm)."""
-    model = model_of(kind)  # before the arguments: a ZeRO-3 config makes from_pretrained partition (zero.Init)
-    args = transformers.TrainingArguments(
-        output_dir=os.path.join(OUT, out), per_device_train_batch_size=MICRO, gradient_accumulation_steps=A,
-        max_steps=WINDOWS, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", seed=0, data_seed=0,
-        disable_tqdm=True, learning_rate=1e-2, gradient_checkpointing=True, max_grad_norm=0.05, deepspeed=ds_config())
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data(), data_collator=pad_collate)
-    trainer.said = []
-    if use_gradaccel:
-        reset_plans()
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            gradaccel.hf.enable(trainer, budget=0.5)
-        trainer.said = [str(w.message) for w in said]
-    trainer.train()
-    return trainer
+    return zero2.train(kind, use_gradaccel, out, model=model_of(kind), deepspeed=ds_config())
 
 
 def assert_gradaccel_ran(engine, said, calls):
@@ -128,55 +114,12 @@ def lora():
 
 
 def accelerate_loop(use_gradaccel, lengths=None, live=None, **zero):
-    """The accelerate recipe with a DeepSpeedPlugin at stage 3: accumulate(), backward(), step();
-    each rank on its own data (uneven lengths unless ``lengths`` fixes them). ``live``: a LiveBytes
-    entered around the forward and backward of the last window's micro-batches (but its last, whose
-    backward steps the optimizer). ``zero``: more zero_optimization settings."""
-    import accelerate
-    from accelerate.utils import DeepSpeedPlugin
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir())
-    model.activation_checkpointing_enable()
-    accelerate.state.AcceleratorState._reset_state()
-    accelerate.state.GradientState._reset_state()
-    cfg = dict(ds_config(), train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=A, gradient_clipping=0.5)
-    for k in ("train_batch_size", "bf16"):
-        cfg.pop(k)
-    cfg["zero_optimization"].update(zero)
-    # Not cpu=True: accelerate then ignores the plugin. DS_ACCELERATOR=cpu keeps DeepSpeed on the CPU.
-    accelerator = accelerate.Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=A)
-    said = []
-    if use_gradaccel:
-        reset_plans()
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            gradaccel.hf.enable(accelerator, budget=0.5)
-    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    """hf_deepspeed_ranks' accelerate loop with a DeepSpeedPlugin at stage 3 (``zero``: more of its
+    settings); the engine holds its Zero3Replay as ``_gradaccel_zero3``."""
+    model, losses, said, accelerator = zero2.accelerate_loop(use_gradaccel, {**RELEASED, **zero}, lengths, live)
     if use_gradaccel:
         model._gradaccel_zero3 = accelerator._gradaccel.backend.replays[0]
-    model.train()
-    gen = torch.Generator().manual_seed(100 + RANK)
-    losses = []
-    for k in range(A * WINDOWS):
-        n = lengths or 5 + (3 * k + RANK) % 7
-        ids = torch.randint(2, 64, (MICRO, n), generator=gen)
-        # The window's last backward runs DeepSpeed's optimizer step too (accelerate's engine wrapper):
-        # the micro-batches before it are forward and backward alone.
-        measured = live is not None and k >= A * (WINDOWS - 1) and (k + 1) % A
-
-        with accelerator.accumulate(model):
-            if measured:
-                live.__enter__()
-                before = live.live
-            loss = model(input_ids=ids, labels=ids).loss
-            if measured:
-                live.held.append(live.live - before)  # what the forward leaves for backward
-            accelerator.backward(loss)
-            if measured:
-                live.__exit__(None, None, None)
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.item())
-    return model, losses, [str(w.message) for w in said]
+    return model, losses, said
 
 
 def accelerate_run():

@@ -1,9 +1,9 @@
-"""gradaccel.hf.enable under DeepSpeed ZeRO-2, launched as a user launches it:
+"""gradaccel.hf.enable under DeepSpeed ZeRO-2 and ZeRO-3, launched as a user launches it:
 ``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2`` on a Trainer script with ``deepspeed=`` (CPU,
-gloo). The rank script, tests/integrations/hf_deepspeed_ranks.py, runs every scenario in one
-launch against stock DeepSpeed Trainer with Hugging Face's checkpointing; here each scenario's
-result is read per rank. Plus what is refused or said, on accelerators this machine cannot
-launch (one process, no launch). Skipped where deepspeed is not installed (the ``[deepspeed]``
+gloo). The rank scripts, tests/integrations/hf_deepspeed_ranks.py (ZeRO-2) and hf_zero3_ranks.py
+(ZeRO-3), run every scenario in one launch each against stock DeepSpeed with Hugging Face's
+checkpointing; here each scenario's result is read per rank. Plus what is refused or said, on
+accelerators this machine cannot launch (one process, no launch). Skipped where deepspeed is not installed (the ``[deepspeed]``
 extra; ``make test`` installs it)."""
 
 import types
@@ -22,19 +22,29 @@ from gradaccel.integrations import hf_deepspeed  # noqa: E402
 from _dist import torchrun  # noqa: E402
 
 HERE = Path(__file__).parent
-SCENARIOS = ["full", "lora", "bf16", "accelerate", "refused"]
-TIMEOUT_S = 300  # the launch; ~70 s on 2 busy cores
+# One torchrun launch per rank script, its scenarios read per rank: ZeRO-2 (hf_deepspeed_ranks.py,
+# ~70 s on 2 busy cores) and ZeRO-3 (hf_zero3_ranks.py: the Trainer, full and LoRA; an accelerate
+# loop with a DeepSpeedPlugin at stage 3; the peak at budget 0.5; NVMe refused; ~90 s).
+LAUNCHES = {"zero2": ("hf_deepspeed_ranks.py", ["full", "lora", "bf16", "accelerate", "refused"]),
+            "zero3": ("hf_zero3_ranks.py", ["full", "lora", "accelerate", "peak", "refused"])}
+TIMEOUT_S = 420
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return torchrun(HERE / "hf_deepspeed_ranks.py", tmp_path_factory.mktemp("hf_deepspeed"), TIMEOUT_S,
-                    DS_ACCELERATOR="cpu")
+def launched(tmp_path_factory):
+    done = {}
+
+    def results(launch):
+        if launch not in done:
+            script = LAUNCHES[launch][0]
+            done[launch] = torchrun(HERE / script, tmp_path_factory.mktemp(launch), TIMEOUT_S, DS_ACCELERATOR="cpu")
+        return done[launch]
+    return results
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_two_processes_zero2(results, scenario):
-    for rank, res in enumerate(results):
+@pytest.mark.parametrize("launch, scenario", [(k, s) for k, (_, names) in LAUNCHES.items() for s in names])
+def test_two_processes(launched, launch, scenario):
+    for rank, res in enumerate(launched(launch)):
         assert res.get(scenario) == "ok", f"rank {rank}:\n{res.get(scenario)}"
 
 

@@ -4,7 +4,7 @@
 ``Shards`` stands in for ZeRO-3 on one process: a module's parameters hold their values only
 while its forward runs (a pre-hook gathers, a hook releases, both through ``param.data``), and
 again from when backward reaches the module's output; the real engine is tested on two ranks
-in tests/integrations/test_hf_zero3.py."""
+in tests/integrations/test_hf_deepspeed.py (hf_zero3_ranks.py)."""
 
 import pytest
 import torch
