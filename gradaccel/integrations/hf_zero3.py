@@ -21,10 +21,13 @@ read itself. Here, for one engine:
   it. The hook runs once per layer call in backward, at its first saved tensor, on every rank
   alike (the all-gather is a collective, and ranks with other sequence lengths may have plans that
   replay other ops). Frozen (peft's base) and trainable parameters alike.
-- **A kept tensor never pins a gathered parameter.** A saved parameter is kept as the parameter
-  object (``gradaccel.recompute.frames.Saved``), as autograd keeps a leaf, so the storage ZeRO-3
-  releases is released; ZeRO-3's ``memory_efficient_linear`` (its default) makes ``F.linear``
-  save the weight itself, never a view of it.
+- **A kept tensor never pins a gathered parameter.** Under an engine, a saved tensor on a storage
+  the region read from outside (a parameter, or a view of one) is kept as where it lies
+  (``gradaccel.recompute.frames.ByReference``) and viewed again at unpack, when ZeRO-3 has gathered
+  the module's parameters for its backward: the storage ZeRO-3 releases is released.
+- **No size formulas.** Each new sequence length is traced rather than sized by a symbolic pass
+  (gradaccel/recompute/lengths.py): outside their modules' hooks the parameters are released, and
+  reading one there would start a collective on one rank alone.
 
 What is held at once, over stock ZeRO-3 with Hugging Face checkpointing: one layer's gathered
 parameters during its replay (stock gathers one module's at a time while it reruns the layer),
