@@ -8,7 +8,8 @@
 - parts.py and chunked_loss.py: the plans below the per-block floor (a block's parts as their
   own checkpoints; the causal-LM loss in chunks).
 - target.py: ``checkpoint_blocks(model, memory=...)``; fit.py (``gradaccel.fit``): micro-batch,
-  accumulation and every block's plan for a memory target, with presets.py and fixed_parts.py.
+  accumulation and every block's plan for a memory target, with presets.py and fixed_parts.py;
+  zero3.py: both under DeepSpeed ZeRO-3 (a rank's share, what is gathered at once).
 """
 
 from gradaccel.memory.counter import LiveBytes, format_bytes, measured_peak, optimizer_state_bytes, parse_bytes, storage_bytes
