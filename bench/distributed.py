@@ -26,7 +26,9 @@ Trainer (``torch-ddp-trainer``) against ``gradaccel.hf.enable`` (``gradaccel-tra
 metrics but ``sent_bytes``; see ``bench/distributed_trainer.py``. And a DeepSpeed ZeRO-2 Trainer row
 (``deepspeed-…`` cases, where deepspeed is installed): stock DeepSpeed with HF checkpointing
 (``torch-deepspeed-trainer``) against ``gradaccel.hf.enable(budget=0.5)`` (``gradaccel-deepspeed-b0.5``):
-window time, peak bytes and gradient bytes held; see ``bench/distributed_deepspeed.py``.
+window time, peak bytes and gradient bytes held; and the same at ZeRO-3 (``zero3-…`` cases,
+``torch-zero3-trainer`` against ``gradaccel-zero3-b0.5``): window time and peak bytes; see
+``bench/distributed_deepspeed.py``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from bench.common import progress, pyplot, row, save_figure, time_interleaved, t
 from bench.models import GPT, GPTConfig
 
 SUITE = "distributed"
-BASELINE = ["torch-fsdp2", "torch-ddp-trainer", "torch-deepspeed-trainer"]
+BASELINE = ["torch-fsdp2", "torch-ddp-trainer", "torch-deepspeed-trainer", "torch-zero3-trainer"]
 TABLE_METRICS = ["window_time", "grad_bytes", "peak_bytes", "sent_bytes", "grad_sent_bytes", "grad_rel_err"]
 VARIANTS = ("torch-fsdp2", "torch-fsdp2-nosync", "gradaccel-micro_batch", "gradaccel-window")
 WORLD = 2
@@ -230,17 +232,15 @@ def _worker(rank: int, port: int, cases: list, trainer_cases: list, ds_cases: li
     os._exit(0)  # skip finalization: gloo threads can abort a rank at exit (see tests/_dist.py)
 
 
-def run(device: str, quick: bool) -> list[dict]:
+def run(device: str, quick: bool, only: str | None = None) -> list[dict]:
+    """The suite's rows; ``only="ds"``: its DeepSpeed rows alone (``python -m bench.distributed_deepspeed``)."""
     import torch.multiprocessing as mp
     if device.startswith("cuda") and torch.cuda.device_count() < WORLD:
         raise RuntimeError(f"the distributed suite needs {WORLD} GPUs on CUDA; run it with --device cpu")
-    cases = _configs(device, quick)
-    trainer_cases = []
-    if importlib.util.find_spec("transformers") and importlib.util.find_spec("accelerate"):
-        trainer_cases = distributed_trainer.configs(device, quick, tiny())
-    ds_cases = []
-    if trainer_cases and distributed_deepspeed.available():
-        ds_cases = distributed_deepspeed.configs(device, quick, tiny())
+    hf = importlib.util.find_spec("transformers") and importlib.util.find_spec("accelerate")
+    cases = [] if only == "ds" else _configs(device, quick)
+    trainer_cases = distributed_trainer.configs(device, quick, tiny()) if hf and only != "ds" else []
+    ds_cases = distributed_deepspeed.configs(device, quick, tiny()) if hf and distributed_deepspeed.available() else []
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

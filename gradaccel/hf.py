@@ -1,6 +1,6 @@
-"""``gradaccel.hf.enable``: the public path of the Hugging Face entry point
-(gradaccel/integrations/hf.py, which documents it)."""
+"""``gradaccel.hf.enable`` and ``gradaccel.hf.disable``: the public path of the Hugging Face entry
+point (gradaccel/integrations/hf.py, which documents it)."""
 
-from gradaccel.integrations.hf import enable
+from gradaccel.integrations.hf import disable, enable
 
-__all__ = ["enable"]
+__all__ = ["enable", "disable"]

@@ -8,6 +8,7 @@
 - window.py: what the window's sum is divided by, and ``WindowScheduler``.
 - sync.py (replicated ranks: one all-reduce per window) and sharded.py (FSDP2 ``fully_shard``).
 - state_dict.py: save and resume, mid-window included.
+- framework.py: what a framework's own accumulation loop calls (Trainer, accelerate: ``gradaccel.hf``).
 """
 
 from gradaccel.accumulate.optimizer import FusedAccumOptimizer, WindowScheduler

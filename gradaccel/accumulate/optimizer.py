@@ -7,9 +7,10 @@ parameter's slice of one flat fp32 buffer as soon as autograd has produced it, t
 finalize pass over the buffer (late scale, non-finite flag, sum of squares), optionally clips,
 and runs the wrapped optimizer on fp32 gradients (or fp32 master weights).
 
-The parts, each in its own module: the buffer, its slices and hooks (``_slots.py``, laid out by
-``_flat.py``), window normalisation (``_window.py``), distributed sync (``_sync.py``, with
-``_sharded.py`` for FSDP2) and save/load (``_state_dict.py``).
+The parts, each in its own module: the buffer, its slices and hooks (``slots.py``, laid out by
+``flat.py``), window normalisation (``window.py``), distributed sync (``sync.py``, with
+``sharded.py`` for FSDP2), save/load (``state_dict.py``), and what a framework's own loop calls
+(``framework.py``: Hugging Face Trainer and accelerate, through ``gradaccel.hf``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from gradaccel.accumulate import sharded as _sharded
 from gradaccel.accumulate import state_dict as _state_dict
 from gradaccel.accumulate import wgrad as _wgrad
+from gradaccel.accumulate.framework import FrameworkLoop
 from gradaccel.accumulate.slots import GradSlots
 from gradaccel.accumulate.sync import window_sync
 from gradaccel.accumulate.window import WindowNorm, WindowScheduler, check_accum_steps
@@ -33,7 +35,7 @@ from gradaccel.ops import extension
 __all__ = ["FusedAccumOptimizer", "WindowScheduler"]
 
 
-class FusedAccumOptimizer(torch.optim.Optimizer):
+class FusedAccumOptimizer(FrameworkLoop, torch.optim.Optimizer):
     """Wraps any optimizer so that gradients accumulate exactly in one flat fp32 buffer.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own objects, so LR
@@ -166,12 +168,16 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         return [name for _, name in self._routed]
 
     def __del__(self) -> None:
+        try:
+            self._unroute()
+        except Exception:  # interpreter shutdown: nothing left to clean
+            pass
+
+    def _unroute(self) -> None:
         routed = self.__dict__.get("_routed")
         if routed:
-            try:
-                _wgrad.unroute(routed)
-            except Exception:  # interpreter shutdown: nothing left to clean
-                pass
+            _wgrad.unroute(routed)
+            self._routed = []
 
     # --- the inner optimizer's objects, shared -------------------------------------------------
     @property
@@ -361,32 +367,6 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         norm = math.sqrt(ss) if ss >= 0 else float("nan")
         self.last_grad_norm = norm
         return norm, touched, not nf and math.isfinite(norm)
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Finishes the window's gradient now and clips it, for loops that clip before ``step()``.
-
-        For a framework's accumulation loop (``normalize="sum"``, ``accum_steps=1``): where it
-        would call ``torch.nn.utils.clip_grad_norm_`` on ``.grad`` that this optimizer has freed
-        (``gradaccel.hf`` routes ``accelerator.clip_grad_norm_`` here). The next ``step()``
-        applies the clipped gradient, or skips the window if it is not finite.
-
-        Args:
-            max_norm: the largest total 2-norm (``float("inf")``: measure only, no clipping).
-
-        Returns:
-            0-d fp32 tensor: the total norm before clipping (NaN if not finite), as torch's.
-        """
-        if self.normalize == "items" or self._micro != self.accum_steps - 1:
-            raise RuntimeError("FusedAccumOptimizer.clip_grad_norm_ is for the call just before the "
-                               "step() that ends a window, with normalize='mean' or 'sum'; otherwise "
-                               "pass max_grad_norm= to the optimizer")
-        if self._pending is None:
-            self._slots.fold_leftovers()
-            self._pending = self._finalize()
-        norm, _, finite = self._pending
-        if finite and max_norm is not None:
-            self._clip(norm, float(max_norm))
-        return torch.tensor(norm if finite else float("nan"), dtype=torch.float32)
 
     def _clip(self, norm: float, max_norm: float) -> None:
         coef = max_norm / (norm + 1e-6)  # the same epsilon as clip_grad_norm_

@@ -1,15 +1,17 @@
-"""``gradaccel.hf.enable`` under DeepSpeed (ZeRO 0, 1 and 2, through Trainer's ``deepspeed=`` or accelerate).
+"""``gradaccel.hf.enable`` under DeepSpeed (ZeRO 0 to 3, through Trainer's ``deepspeed=`` or accelerate's plugin).
 
 The split. DeepSpeed's engine owns the gradient: its hooks copy each parameter's gradient into a
 bucket as backward produces it, reduce the bucket across the ranks on every micro-batch, and add
-this rank's partition of the result into its accumulation buffer (ZeRO-2: each rank keeps 1/N of
-the gradient, in ``data_types.grad_accum_dtype``, the model's dtype unless set); it clips and
-steps too. gradaccel takes none of that over here: no ``FusedAccumOptimizer``, no fold hooks,
+this rank's partition of the result into its accumulation buffer (ZeRO-2 and 3: each rank keeps
+1/N of the gradient, in ``data_types.grad_accum_dtype``, the model's dtype unless set); it clips
+and steps too. gradaccel takes none of that over here: no ``FusedAccumOptimizer``, no fold hooks,
 ``.grad`` is DeepSpeed's. It runs the activation checkpointing only: Hugging Face gradient
 checkpointing, whoever turns it on, runs ``gradaccel.checkpoint`` at ``budget`` (a model already
 checkpointed by ``checkpoint_blocks(model, budget=... or memory=...)`` keeps its own), at every
 sequence length. Checkpointing is per layer and sees no gradient, so it does not care how the
-gradient is reduced or partitioned.
+gradient is reduced or partitioned. Under ZeRO-3 the parameters are partitioned too: the replay
+then gathers the layer's parameters itself, through ZeRO-3's own ``GatheredParameters``
+(``gradaccel/integrations/hf_zero3.py``).
 
 Why gradaccel's accumulation does not fold into DeepSpeed's fp32 buffer. gradaccel's fold adds a
 rank's own (unreduced) gradient into a full-size fp32 buffer and reduces once per window.
@@ -17,19 +19,18 @@ DeepSpeed's fp32 buffer holds only this rank's 1/N partition of the gradient *al
 over the ranks*: to land there a gradient must first cross the wire, which needs DeepSpeed's
 bucket (a copy) and a reduction per micro-batch. Folding the local gradient in first would mean
 a full fp32 gradient per rank (4 bytes per parameter, against ZeRO-2's 4/N) and one reduction
-per window: that is gradaccel's DDP path (or FSDP2 with ``sync="window"``), not ZeRO-2. What is
+per window: that is gradaccel's DDP path (or FSDP2 with ``sync="window"``), not ZeRO. What is
 left after the reduction is one add of the reduced bucket slice into the partition, which
 DeepSpeed already does in fp32 (``partition.add_(reduced.to(float32))``, exact for a bf16
 input); gradaccel's kernel there would change neither the result nor what is held.
 
-Refused, naming what works: ZeRO-3 (parameters are gathered by module hooks around each forward
-and released after it; gradaccel's selective recompute replays the ops it did not keep against
-the tensors the forward read, which ZeRO-3 has emptied by then: tried on two CPU ranks, the first
-window's gradient came out non-finite and DeepSpeed skipped the step; at ``budget=None``, which
-keeps nothing and so is Hugging Face's checkpointing, it matched stock), and DeepSpeed's own
-activation checkpointing (``activation_checkpointing`` with ``partition_activations``,
-``cpu_checkpointing``, ...: it applies to ``deepspeed.checkpointing.checkpoint`` only, which
-Hugging Face models never call, so it does nothing there with or without gradaccel).
+Refused, naming what works: DeepSpeed's own activation checkpointing (``activation_checkpointing``
+with ``partition_activations``, ``cpu_checkpointing``, ...: it applies to
+``deepspeed.checkpointing.checkpoint`` only, which Hugging Face models never call, so it does
+nothing there with or without gradaccel), and ZeRO-3 with its parameters offloaded to NVMe
+(``offload_param.device: nvme``: ZeRO-Infinity swaps partitions in and out of a fixed set of
+buffers in the order its trace of the modules predicts; the replay's gather is outside that
+trace. Not tried here, where no NVMe swapper builds; CPU parameter offload is served).
 """
 
 from __future__ import annotations
@@ -37,12 +38,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-ZERO3_ROUTE = ("ZeRO-3's nearest equivalent with gradaccel is FSDP2: fully_shard(block) for each block and the "
-               "root and gradaccel.FusedAccumOptimizer(opt, accum_steps, sync='window', module=model) in a "
-               "plain PyTorch loop (docs/huggingface-distributed.md); or DeepSpeed at "
-               "\"zero_optimization\": {\"stage\": 2} (or 0, 1), under which gradaccel.hf.enable runs "
-               "gradaccel's checkpointing; or ZeRO-3 with Hugging Face's own checkpointing, without "
-               "gradaccel.hf.enable")
+from gradaccel.integrations.hf_backend import Backend, Patches
+
+NVME_ROUTE = ('"offload_param": {"device": "cpu"} (or none) keeps ZeRO-3 with gradaccel\'s checkpointing; '
+              "or keep NVMe and Hugging Face's own checkpointing, without gradaccel.hf.enable")
 AC_ROUTE = ("remove the \"activation_checkpointing\" section (or set its flags false) and checkpoint with "
             "gradient_checkpointing=True in TrainingArguments (model.activation_checkpointing_enable() in an "
             "accelerate loop): gradaccel.hf.enable(trainer, budget=...) then runs gradaccel.checkpoint at that "
@@ -84,39 +83,80 @@ def dtypes(acc: Any, cfg: dict) -> tuple[str, str]:
     return model, accum
 
 
-def check(acc: Any) -> None:
-    """Raises for what gradaccel cannot serve under DeepSpeed, naming what works.
-
-    Raises:
-        ValueError: ZeRO-3; DeepSpeed's own activation checkpointing turned on in the config.
-    """
+def refusal(acc: Any) -> tuple[str, str] | None:
+    """(what, message naming the route that works) for what gradaccel cannot serve under
+    DeepSpeed: its own activation checkpointing turned on in the config, ZeRO-3 with parameters
+    on NVMe. None where it serves the config."""
     cfg = config(acc)
-    if stage(cfg) == 3:
-        raise ValueError("gradaccel.hf.enable: DeepSpeed ZeRO-3 is not supported: it gathers each layer's "
-                         "parameters in forward and releases them after it, while gradaccel's selective "
-                         "recompute replays the ops it did not keep against the tensors the forward read "
-                         "(tried on two ranks: the first window's gradient came out non-finite). "
-                         f"{ZERO3_ROUTE}")
     ac = cfg.get("activation_checkpointing") or {}
     asked = [k for k in _AC_FLAGS if ac.get(k) not in (None, False, "auto")]
     if asked:
-        raise ValueError(f"gradaccel.hf.enable: DeepSpeed's activation checkpointing ({', '.join(asked)}) is not "
-                         "supported: it applies to deepspeed.checkpointing.checkpoint only, which Hugging Face "
-                         f"models never call (it does nothing for them, with or without gradaccel). Instead, {AC_ROUTE}")
+        return "DeepSpeed activation checkpointing", (
+            f"gradaccel.hf.enable: DeepSpeed's activation checkpointing ({', '.join(asked)}) is not supported: it "
+            "applies to deepspeed.checkpointing.checkpoint only, which Hugging Face models never call (it does "
+            f"nothing for them, with or without gradaccel). Instead, {AC_ROUTE}")
+    device = ((cfg.get("zero_optimization") or {}).get("offload_param") or {}).get("device")
+    if stage(cfg) == 3 and str(device).lower() == "nvme":
+        return "ZeRO-3 with parameters on NVMe", (
+            "gradaccel.hf.enable: DeepSpeed ZeRO-3 with offload_param on NVMe is not supported: ZeRO-Infinity swaps "
+            "parameter partitions through a fixed set of buffers in the order of its own trace of the modules, and "
+            "gradaccel's replay gathers a layer's parameters outside that order. Instead, " + NVME_ROUTE)
+    return None
+
+
+class DeepSpeed(Backend):
+    """DeepSpeed ZeRO 0-3: gradaccel's checkpointing only, the gradient DeepSpeed's (see the
+    module docstring); under ZeRO-3, the replay's gathering (gradaccel/integrations/hf_zero3.py)."""
+
+    owns_gradient = False
+
+    def __init__(self, acc: Any):
+        super().__init__(acc)
+        self.stage = stage(config(acc))
+        self.name = f"DeepSpeed ZeRO-{self.stage}"
+        self.replays: list = []  # hf_zero3.Zero3Replay of each ZeRO-3 engine prepared
+        self.patches: Patches | None = None
+
+    def check(self, fuse_wgrad: bool) -> None:
+        if fuse_wgrad:
+            raise ValueError("gradaccel.hf.enable: fuse_wgrad=True under DeepSpeed: DeepSpeed makes, reduces and "
+                             "partitions the gradient itself; leave fuse_wgrad off there (one process or DDP take "
+                             "it; FSDP2 does not)")
+
+    def say(self, budget) -> None:
+        say_split(self.acc, budget)
+
+    def install(self, patches: Patches) -> None:
+        self.patches = patches  # ZeRO-3 engines are patched as prepare makes them
+
+    def prepared(self, objs: list) -> None:
+        from gradaccel.integrations.hf_zero3 import Zero3Replay, zero3_engine
+
+        for obj in objs:
+            if zero3_engine(obj) and not any(r.engine is obj for r in self.replays):
+                replay = Zero3Replay(obj)
+                replay.install(self.patches)
+                self.replays.append(replay)
+
+    def remove(self) -> None:
+        self.replays.clear()  # their patches are undone with the accelerator's
 
 
 def say_split(acc: Any, budget) -> str:
     """Warns who owns what (once per accelerator: ``hf.enable`` patches one once); returns the message."""
     cfg = config(acc)
     model, accum = dtypes(acc, cfg)
+    zero3 = stage(cfg) == 3
     msg = (f"gradaccel.hf.enable under DeepSpeed ZeRO-{stage(cfg)}: gradaccel runs the activation checkpointing "
-           f"(gradaccel.checkpoint, budget={budget!r}, where Hugging Face gradient checkpointing is on); "
-           f"DeepSpeed keeps the gradient: its reduction, its accumulation (in {accum}), its partitioning, "
-           "clipping and the optimizer step. gradaccel's fp32 window buffer is not used (DeepSpeed reduces "
-           "every micro-batch and accumulates its partition of the reduced gradient: "
-           "docs/huggingface-distributed.md#deepspeed)")
+           f"(gradaccel.checkpoint, budget={budget!r}, where Hugging Face gradient checkpointing is on"
+           + ("; each layer's replay gathers the layer's parameters through ZeRO-3's GatheredParameters and "
+              "releases them after it" if zero3 else "")
+           + f"); DeepSpeed keeps the gradient: its reduction, its accumulation (in {accum}), its partitioning, "
+           "clipping and the optimizer step" + (", and the parameters' partitioning" if zero3 else "")
+           + ". gradaccel's fp32 window buffer is not used (DeepSpeed reduces every micro-batch and accumulates "
+           "its partition of the reduced gradient: docs/huggingface-distributed.md#deepspeed)")
     if accum in ("bf16", "fp16"):
         msg += (f". This config accumulates the gradient in {accum}: add {FP32_ACCUM} to the DeepSpeed config "
                 "to sum the micro-batches in fp32")
-    warnings.warn(msg, UserWarning, stacklevel=4)
+    warnings.warn(msg, UserWarning, stacklevel=5)
     return msg

@@ -46,47 +46,41 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
+from gradaccel.integrations.hf_backend import Backend, Patches
+
 FSDP_ROUTE = ("shard the model yourself (torch.distributed.fsdp.fully_shard, per block then the root) "
               "and wrap the optimizer in gradaccel.FusedAccumOptimizer(opt, accum_steps, "
               "sync='window', module=model) in a plain PyTorch loop (docs/huggingface-distributed.md)")
 
 
-def check(acc: Any) -> None:
-    """Raises for the accelerate set-ups gradaccel cannot serve; warns where accelerate itself
-    silently replaced one (FSDP asked for on CPU runs DDP).
-
-    Raises:
-        ValueError: FSDP, tensor parallelism, XLA, Megatron-LM, or a DDP communication hook;
-            each message names the route that works. (DeepSpeed is served apart, with
-            checkpointing only: gradaccel/integrations/hf_deepspeed.py.)
-    """
+def refusal(acc: Any) -> tuple[str, str] | None:
+    """(engine, message naming the route that works) where gradaccel does not serve this
+    accelerator's set-up: FSDP, tensor or context parallelism, XLA and the other multi-process
+    kinds that are not DDP, a DDP communication hook. None where it does. (DeepSpeed is
+    gradaccel/integrations/hf_deepspeed.py's.)"""
     from accelerate.utils import DistributedType
 
     kind = acc.distributed_type
     if kind == DistributedType.FSDP:
         version = getattr(getattr(acc.state, "fsdp_plugin", None), "fsdp_version", 1)
-        raise ValueError(f"gradaccel.hf.enable: FSDP{version} through accelerate is not supported: accelerate "
-                         "shards the model inside prepare() and points the optimizer at the shards, under the "
-                         f"wrapper gradaccel would have built. Instead, {FSDP_ROUTE}; or drop fsdp= and run "
-                         "DDP, which gradaccel serves")
+        return f"FSDP{version}", (
+            f"gradaccel.hf.enable: FSDP{version} through accelerate is not supported: accelerate shards the model "
+            "inside prepare() and points the optimizer at the shards, under the wrapper gradaccel would have "
+            f"built. Instead, {FSDP_ROUTE}; or drop fsdp= and run DDP, which gradaccel serves")
     parallel = getattr(acc, "parallelism_config", None)
     if parallel is not None and (getattr(parallel, "tp_enabled", False) or getattr(parallel, "cp_enabled", False)):
-        raise ValueError("gradaccel.hf.enable: tensor or context parallelism (parallelism_config) is not "
-                         "supported; data parallelism (DDP) is")
+        return "tensor/context parallelism", ("gradaccel.hf.enable: tensor or context parallelism "
+                                              "(parallelism_config) is not supported; data parallelism (DDP) is")
     if acc.num_processes > 1 and not _ddp_kind(acc):
-        raise ValueError(f"gradaccel.hf.enable: {kind} with {acc.num_processes} processes is not supported; "
-                         "gradaccel serves accelerate's DDP (MULTI_GPU, MULTI_CPU and the other MULTI_* "
-                         "types), launched with torchrun or accelerate launch")
-    handler = getattr(acc, "ddp_handler", None)
-    hook = getattr(handler, "comm_hook", None)
+        return str(kind), (f"gradaccel.hf.enable: {kind} with {acc.num_processes} processes is not supported; "
+                           "gradaccel serves accelerate's DDP (MULTI_GPU, MULTI_CPU and the other MULTI_* types), "
+                           "launched with torchrun or accelerate launch")
+    hook = getattr(getattr(acc, "ddp_handler", None), "comm_hook", None)
     if acc.num_processes > 1 and hook is not None and getattr(hook, "value", hook) not in (None, "no"):
-        raise ValueError(f"gradaccel.hf.enable: DDP communication hook {hook} is not supported: gradaccel "
-                         "builds no DDP; it all-reduces its fp32 window buffer once per window. Drop "
-                         "comm_hook from DistributedDataParallelKwargs")
-    if getattr(acc.state, "fsdp_plugin", None) is not None and acc.num_processes > 1:
-        warnings.warn("gradaccel.hf.enable: an FSDP plugin was given, but accelerate runs "
-                      f"{kind} (on CPU it ignores FSDP); gradaccel serves it as data parallelism "
-                      "(every rank holds the whole model)", UserWarning, stacklevel=4)
+        return "DDP communication hook", (
+            f"gradaccel.hf.enable: DDP communication hook {hook} is not supported: gradaccel builds no DDP; it "
+            "all-reduces its fp32 window buffer once per window. Drop comm_hook from DistributedDataParallelKwargs")
+    return None
 
 
 def _ddp_kind(acc: Any) -> bool:
@@ -96,31 +90,42 @@ def _ddp_kind(acc: Any) -> bool:
     return str(getattr(kind, "value", kind)).startswith("MULTI_")
 
 
-def group(acc: Any):
-    """The process group the window buffer is summed over: WORLD with several processes, else None."""
-    return dist.group.WORLD if acc.num_processes > 1 else None
+class DataParallel(Backend):
+    """accelerate's DDP (``MULTI_GPU``, ``MULTI_CPU``, ...) on several processes, without DDP: every
+    rank starts from rank 0's weights and the fp32 window buffer is all-reduced once per window
+    (see the module docstring)."""
 
+    name = "DDP"
 
-def patch_prepare_model(acc: Any) -> None:
-    """Makes ``acc.prepare_model`` replicate a trained model instead of wrapping it in DDP."""
-    if acc.num_processes <= 1 or not _ddp_kind(acc):
-        return
-    prepare_model = acc.prepare_model
+    @property
+    def group(self):
+        return dist.group.WORLD
 
-    def prepare_model_(model, device_placement=None, evaluation_mode=False):
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise ValueError("gradaccel.hf: this model is already wrapped in DistributedDataParallel, "
-                             "whose reducer would all-reduce gradients gradaccel has folded and freed; "
-                             "pass the plain model (model.module)")
-        trains = not evaluation_mode and not getattr(model, "_is_accelerate_prepared", False) and any(
-            p.requires_grad for p in model.parameters())
-        # evaluation_mode=True: placement, mixed precision and compile as for training, no DDP.
-        out = prepare_model(model, device_placement=device_placement, evaluation_mode=True)
-        if trains:
-            replicate(model)
-        return out
+    def say(self, budget) -> None:
+        acc = self.acc
+        if getattr(acc.state, "fsdp_plugin", None) is not None:
+            warnings.warn("gradaccel.hf.enable: an FSDP plugin was given, but accelerate runs "
+                          f"{acc.distributed_type} (on CPU it ignores FSDP); gradaccel serves it as data parallelism "
+                          "(every rank holds the whole model)", UserWarning, stacklevel=5)
 
-    acc.prepare_model = prepare_model_
+    def install(self, patches: Patches) -> None:
+        """Makes ``acc.prepare_model`` replicate a trained model instead of wrapping it in DDP."""
+        prepare_model = self.acc.prepare_model
+
+        def prepare_model_(model, device_placement=None, evaluation_mode=False):
+            if isinstance(model, nn.parallel.DistributedDataParallel):
+                raise ValueError("gradaccel.hf: this model is already wrapped in DistributedDataParallel, "
+                                 "whose reducer would all-reduce gradients gradaccel has folded and freed; "
+                                 "pass the plain model (model.module)")
+            trains = not evaluation_mode and not getattr(model, "_is_accelerate_prepared", False) and any(
+                p.requires_grad for p in model.parameters())
+            # evaluation_mode=True: placement, mixed precision and compile as for training, no DDP.
+            out = prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+            if trains:
+                replicate(model)
+            return out
+
+        patches.set(self.acc, "prepare_model", prepare_model_)
 
 
 def replicate(model: nn.Module) -> None:

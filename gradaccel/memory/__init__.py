@@ -9,7 +9,8 @@
   own checkpoints; the causal-LM loss in chunks).
 - target.py: ``checkpoint_blocks(model, memory=...)``; fit.py (``gradaccel.fit``): micro-batch,
   accumulation and every block's plan for a memory target, with presets.py and fixed_parts.py;
-  fit_table.py (how a fit reads) and fit_cli.py (``python -m gradaccel.fit``).
+  fit_table.py (how a fit reads) and fit_cli.py (``python -m gradaccel.fit``); zero3.py: both
+  under DeepSpeed ZeRO-3 (a rank's share, what is gathered at once).
 """
 
 from gradaccel.memory.counter import LiveBytes, format_bytes, measured_peak, optimizer_state_bytes, parse_bytes, storage_bytes

@@ -41,6 +41,7 @@ from gradaccel.memory.parts import slices_of, structure_notes
 from gradaccel.memory.profile import Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute
 from gradaccel.memory.target import set_plans
+from gradaccel.memory import zero3 as _zero3
 from gradaccel.recompute import blocks as blocks_mod
 from gradaccel.recompute.trace import FLOPS_PER_BYTE
 
@@ -75,6 +76,7 @@ class Fit:
     options: list = dataclasses.field(default_factory=list)  # other plans worth knowing (Fit each)
     longer: tuple | None = None  # max_seq: (the first length found not to fit, its least predicted peak)
     parts_notes: list = dataclasses.field(default_factory=list)  # how blocks run as parts (parts.structure_notes)
+    zero3: int | None = None  # DeepSpeed ZeRO-3 over this many ranks (gradaccel/memory/zero3.py)
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
         """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
@@ -86,7 +88,9 @@ class Fit:
         length's own plan, re-planned for the same target from the length profile
         (gradaccel/memory/lengths.py: no fake-tensor run for lengths the fit profiled around, up to
         ``seq``); a length past ``seq`` is profiled once on fake tensors (warned about).
-        Plans with offload or inputs on the host keep their budgets at every length."""
+        Plans with offload or inputs on the host keep their budgets at every length. Under
+        ``zero3`` the optimizer is returned as it is: DeepSpeed accumulates (``accum_steps`` is its
+        ``gradient_accumulation_steps``) and holds the gradient."""
         if self.chunked_loss and not install_head(model):
             raise ValueError("this plan computes the loss in chunks (chunked_loss), which needs a Hugging Face "
                              "causal LM with its stock loss")
@@ -101,7 +105,7 @@ class Fit:
 
             planner.lengths(self.seq, self.micro_batch, self.chunked_loss)  # profiled now, not mid-training
             model.register_forward_pre_hook(FittedLengths(self, planner, blocks), with_kwargs=True)
-        if not isinstance(optimizer, FusedAccumOptimizer):
+        if not isinstance(optimizer, FusedAccumOptimizer) and not self.zero3:
             optimizer = FusedAccumOptimizer(optimizer, self.accum_steps, **kwargs)
         return model, optimizer
 
@@ -131,7 +135,7 @@ class Planner:
     """
 
     def __init__(self, model, optim="adamw", lora=None, load_in_4bit=False, dtype=torch.bfloat16,
-                 master_weights=False, make_batch=None, loss_fn=None):
+                 master_weights=False, make_batch=None, loss_fn=None, zero3=None):
         for name, fn in (("make_batch", make_batch), ("loss_fn", loss_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a callable, got {type(fn).__name__}")
@@ -155,7 +159,10 @@ class Planner:
             if load_in_4bit and not lora:
                 raise ValueError("load_in_4bit needs lora: 4-bit weights are frozen, only adapters train")
         self.blocks = len(find_blocks(self.model))
+        self.zero3 = _zero3.check_ranks(zero3)
         self.static = static_parts(self.model, optim, master_weights, load_in_4bit)
+        if self.zero3:
+            self.static = _zero3.sharded(self.static, self.model, find_blocks(self.model), self.zero3)
         self.load_in_4bit, self.lora = load_in_4bit, lora
         self.profiles = {}
         self._lengths = {}
@@ -353,9 +360,12 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
     forward = sum(prof.kind_of[s].forward_cost for s in (setup.layout or range(len(prof.blocks))))
     fold = FLOPS_PER_BYTE["cpu"] * 10 * st.trainable  # reading a grad and updating the fp32 buffer
     base = 3 * forward + fold
-    parts = {"weights": st.weights, "window buffer (fp32 grads)": st.buffer, "optimizer state": st.state}
-    if st.masters:
-        parts["fp32 master weights"] = st.masters
+    if st.ranks:
+        parts = _zero3.parts(st)
+    else:
+        parts = {"weights": st.weights, "window buffer (fp32 grads)": st.buffer, "optimizer state": st.state}
+        if st.masters:
+            parts["fp32 master weights"] = st.masters
     if pred["peak"] >= st.step:
         parts["block activations held"] = pred["blocks"]
         parts["other activations and grads (embeddings, logits, loss)"] = pred["outside"]
@@ -377,12 +387,13 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
                st.total + step, parts, str(phase), (base + recompute) / base,
                sum(p.flops for p in points) + head,
                (batch // micro_batch) * (base + recompute), host=host,
-               offload=bool(offloaded), chunked_loss=chunked_loss, inputs_on_host=host_inputs, parts_notes=notes)
+               offload=bool(offloaded), chunked_loss=chunked_loss, inputs_on_host=host_inputs, parts_notes=notes,
+               zero3=setup.zero3)
 
 
 def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
              dtype=torch.bfloat16, master_weights=False, make_batch=None, loss_fn=None, offload=False,
-             inputs_on_host=False) -> Fit:
+             inputs_on_host=False, zero3=None) -> Fit:
     """The predicted peak of a training step with a given micro-batch and checkpoint budget.
 
     Args:
@@ -396,12 +407,13 @@ def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", l
         offload: the blocks' plans with ``gradaccel.checkpoint(..., offload=True)``.
         inputs_on_host: the blocks' inputs wait on the host between forward and backward
             (``checkpoint_blocks(..., inputs_on_host=True)``): stated in ``host``.
+        zero3: as for :func:`fit`.
 
     Returns:
         Fit: ``peak`` and ``parts`` (accumulation steps 1).
     """
     return Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch,
-                   loss_fn).estimate(seq, micro_batch, budget, offload, inputs_on_host)
+                   loss_fn, zero3).estimate(seq, micro_batch, budget, offload, inputs_on_host)
 
 
 def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, chunked_loss=None, host=False) -> Fit | None:
@@ -429,7 +441,7 @@ def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, ch
 
 def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_in_4bit=False,
         dtype=torch.bfloat16, master_weights=False, slack=None, micro_batches=None, make_batch=None,
-        loss_fn=None) -> Fit:
+        loss_fn=None, zero3=None) -> Fit:
     """The fastest way to train ``batch`` sequences of ``seq`` tokens per step in ``memory``.
 
     Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the
@@ -466,6 +478,11 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
             module that is not a Hugging Face causal LM; default: token ids and labels.
         loss_fn: ``loss_fn(model, batch) -> loss``, one micro-step's forward up to the scalar
             loss; default ``model(**batch, use_cache=False).loss``.
+        zero3: the number of ranks DeepSpeed ZeRO-3 shards the model over (``gradaccel.hf.enable``
+            under a ZeRO-3 Trainer), or None: each rank holds 1/N of the weights, of the fp32
+            gradient partition and masters, and of the optimizer state, plus one block's weights
+            gathered whole (or the embedding's or head's, where larger: gradaccel/memory/zero3.py);
+            ``memory`` is one rank's device.
 
     Returns:
         Fit: micro-batch, accumulation steps, per-block budgets, predicted peak with its parts
@@ -479,5 +496,5 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
         ``apply()`` installs). Where nothing fits, ``suggestions`` give the least plan with
         offload (its device peak and host bytes, and by how much it is short).
     """
-    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn)
+    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn, zero3)
     return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)

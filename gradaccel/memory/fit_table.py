@@ -36,6 +36,9 @@ def table(fit) -> str:
             + (f", offload=True ({format_bytes(host)} on host)" if fit.offload else "")
             + (f", block inputs on host ({format_bytes(host)} on host)" if fit.inputs_on_host else "")
             + ("" if fit.fits else "  (DOES NOT FIT)"),
+            *([f"DeepSpeed ZeRO-3 over {fit.zero3} ranks: weights, gradient, masters and optimizer state counted "
+               f"as this rank's 1/{fit.zero3}, plus the most weights gathered whole at once (a block, or the "
+               "embedding or head where larger)"] if fit.zero3 else []),
             f"blocks: {modes(fit)}",
             *(f"parts: {n}" for n in fit.parts_notes),
             f"blocks keep {format_bytes(fit.kept)} beyond their inputs; recompute "

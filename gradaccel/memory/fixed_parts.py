@@ -204,10 +204,12 @@ class Static:
     step: int  # working set of the update at the end of a window
     trainable: int  # parameters
     paged: int = 0  # optimizer state in bitsandbytes' paged (unified) memory: host when short
+    gathered: int = 0  # ZeRO-3: one block's parameters whole (gradaccel/memory/zero3.py)
+    ranks: int = 0  # ZeRO-3: the ranks the rest is sharded over (0: one process holds it all)
 
     @property
     def total(self) -> int:
-        return self.weights + self.buffer + self.state + self.masters
+        return self.weights + self.buffer + self.state + self.masters + self.gathered
 
 
 # -- weights: real storage, 4-bit included ---------------------------------------------------

@@ -31,6 +31,7 @@ from gradaccel.recompute.plan import Planner, capture_rng, copy_device, offload_
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.trace import DataReads, Graph
 from gradaccel.recompute.checkpoint import _Region, _plain
+from gradaccel.memory import zero3
 from gradaccel.memory.counter import LiveBytes, Trajectory
 # Plans other than a budget (PARTS, "tiles:n", "nested:n"): the block's children as checkpoints
 # of their own (gradaccel/memory/parts.py).
@@ -55,13 +56,22 @@ def fake_mode():
 
 def fake_copy(model: nn.Module, mode) -> nn.Module:
     """``model`` with every parameter and buffer replaced by a fake tensor of the same shape,
-    dtype and ``requires_grad`` (shared weights stay shared); ``model`` itself is untouched."""
+    dtype and ``requires_grad`` (shared weights stay shared); ``model`` itself is untouched. A
+    parameter DeepSpeed ZeRO-3 shards is copied at its whole shape, and the copy runs without
+    ZeRO-3's module hooks (gradaccel/memory/zero3.py)."""
     memo = {}
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) not in memo:
-            f = mode.from_tensor(t.detach())
+            shape = zero3.whole_shape(t)
+            if shape == t.shape:
+                f = mode.from_tensor(t.detach())
+            else:
+                with mode:
+                    f = torch.empty(shape, dtype=t.dtype, device=t.device)
             memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
-    return copy.deepcopy(model, memo)
+    fake = copy.deepcopy(model, memo)
+    zero3.without_engine_hooks(fake)
+    return fake
 
 
 def find_blocks(model: nn.Module) -> list:

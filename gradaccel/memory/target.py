@@ -50,6 +50,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from gradaccel.memory import zero3
 from gradaccel.memory.fixed_parts import unpacked
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
 from gradaccel.memory.parts import install_parts, is_nested, set_parts, slices_of
@@ -122,6 +123,9 @@ class MemoryTarget:
 
     def __init__(self, memory: int, blocks: list, model: nn.Module, seq: int | None = None, inputs_on_host=False):
         self.memory, self.seq = memory, seq
+        # DeepSpeed ZeRO-3: what the step gathers whole at once, which the profile does not make
+        # (gradaccel/memory/zero3.py); found at the first training call, once the engine has sharded.
+        self.gathered = None
         self.inputs_on_host = inputs_on_host  # the user's: every plan with the inputs on the host
         self.seen = {}
         self.chosen = {}
@@ -152,6 +156,8 @@ class MemoryTarget:
 
         key = _key(args, kwargs)
         blocks = find_blocks(module)
+        if self.gathered is None:
+            self.gathered = zero3.gathered_at_once(module, blocks) if zero3.is_sharded(module) else 0
         start = False
         if key not in self.seen:
             self._set(module, blocks, False, [0] * len(blocks))
@@ -286,15 +292,17 @@ class MemoryTarget:
             prof.inputs_on_host = host
             profiles.append(prof)
             # Blocks without a checkpoint park nothing: with the inputs on the host, always checkpointed.
-            bare = None if host else uncheckpointed(prof, self.memory)
+            bare = None if host else uncheckpointed(prof, room)
             if bare is not None:
                 return prof, None, bare
             opts = [(prof.host_options if host else prof.options)(prof.kind_of[i]) for i in range(len(prof.blocks))]
-            return prof, opts, least_recompute(prof, opts, self.memory)
+            return prof, opts, least_recompute(prof, opts, room)
+
+        room = self.memory - (self.gathered or 0)  # ZeRO-3: the parameters gathered at once are the step's too
 
         tried = {False: plan(False)}
         plain, opts, points = tried[False]
-        floor = plain.predict([plain.kind_of[i].zero for i in range(len(plain.blocks))])["peak"]
+        floor = plain.predict([plain.kind_of[i].zero for i in range(len(plain.blocks))])["peak"] + self.memory - room
         labels = kwargs.get("labels")
         chunkable = self.has_head and torch.is_tensor(labels)
         head_cost = labels.numel() * head_flops(module) if chunkable else 0
@@ -311,7 +319,7 @@ class MemoryTarget:
             least = {h: least_peak(prof, opts) for h, (prof, opts, _) in tried.items()}
             head = min(least, key=lambda h: tried[h][0].predict(least[h])["peak"])
             prof, points = tried[head][0], least[head]
-        peak = prof.predict(points)["peak"]
+        peak = prof.predict(points)["peak"] + self.memory - room
         # The split works on estimated block peaks; the least-peak plan's exact peak may fit where
         # its estimate did not: it is then the plan, without a warning.
         if not fitting and peak > self.memory and any(hasattr(t[0], "_source") for t in tried.values()):

@@ -8,7 +8,8 @@
   under ``gradaccel.checkpoint_blocks``).
 - storage.py (who is which storage), context.py (the generator state and autocast a replay
   runs under), split_off.py (data-dependent submodules), state.py (the module-level caches that
-  ``reset_plans`` clears).
+  ``reset_plans`` clears), engine.py (hooks for an engine that releases the parameters a region
+  reads: DeepSpeed ZeRO-3).
 """
 
 from gradaccel.recompute.checkpoint import OpCost, checkpoint, checkpoint_sequential, plan_report, plan_rows, reset_plans

@@ -15,13 +15,14 @@ import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
+from gradaccel.recompute import engine
 from gradaccel.recompute.lengths import strays
 from gradaccel.recompute.context import autocast_as, autocast_off, rng_restored
 from gradaccel.recompute.plan import Plan, _view, make_plan, rebuildable
 from gradaccel.recompute.roles import Source
 from gradaccel.recompute.split_off import active
 from gradaccel.recompute.state import STATE
-from gradaccel.recompute.storage import lazy_bits
+from gradaccel.recompute.storage import lazy_bits, storage_key
 from gradaccel.recompute.trace import Graph, Recorder, same_meta
 
 
@@ -44,6 +45,41 @@ class Saved:
                 f"operation: [{self.tensor.type()} {list(self.tensor.shape)}] is at version "
                 f"{self.tensor._version}; expected version {self.version} instead (gradaccel.checkpoint)")
         return self.tensor
+
+
+class ByReference:
+    """A saved tensor on a storage the region read from outside (a parameter), under an engine that
+    releases parameters (gradaccel/recompute/engine.py): kept as where it lies, not as the tensor,
+    so that it never pins the gathered storage; unpack views the tensor as it is then (the engine
+    has gathered the module's parameters for its backward)."""
+
+    __slots__ = ("ref", "size", "stride", "offset", "dtype", "version")
+
+    def __init__(self, leaf, t: torch.Tensor, pack):
+        self.ref, self.version = leaf.at, leaf.at()._version
+        self.size, self.stride, self.offset, self.dtype = pack.size, pack.stride, pack.offset, pack.dtype
+
+    def unpack(self) -> torch.Tensor:
+        base = self.ref()
+        if base is None:
+            raise RuntimeError("gradaccel.checkpoint: a tensor the region read from outside its arguments was freed "
+                               "before backward; pass it to the region as an argument.")
+        if base._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{base.type()} {list(base.shape)}] is at version {base._version}; expected version "
+                f"{self.version} instead (gradaccel.checkpoint)")
+        return _view(base, self.size, self.stride, self.offset, self.dtype)
+
+
+def _by_reference(graph, sid: int, t: torch.Tensor):
+    """The leaf of storage ``sid`` where ``t``, saved on it, is kept by reference (an engine
+    releases the parameters, and the region read this storage from outside), else None."""
+    external = graph.storages[sid].external
+    if external is None or external.source is not Source.OBJ:
+        return None
+    base = external.at()
+    return external if base is not None and storage_key(base) == storage_key(t) else None
 
 
 class Frame:
@@ -75,6 +111,8 @@ class Frame:
         self.results = None
         self.versions: dict = {}
         self.finished = False  # False while the forward runs: a backward then is inside it
+        self.gather = False  # an engine's hook runs at the first unpack of backward (see _engine_replay)
+        self.engine = engine.active()  # saved parameters are kept by reference (ByReference)
 
     def opaque(self, forward, args, kwargs, name):
         """Runs a split-off submodule (see gradaccel/recompute/checkpoint.py) as its own checkpoint."""
@@ -88,6 +126,10 @@ class Frame:
         if self.diverged or k >= len(plan.keep) or not self._as_traced(t, plan.graph.packs[k]):
             return self._diverge(t)
         if plan.keep[k]:
+            if self.engine:
+                leaf = _by_reference(plan.graph, plan.graph.packs[k].storage, t)
+                if leaf is not None:
+                    return ByReference(leaf, t, plan.graph.packs[k])
             kept = Saved(t)
             sid = self.pack_leaves.get(k)
             if sid is not None:
@@ -113,6 +155,8 @@ class Frame:
 
     @torch._disable_dynamo
     def unpack(self, x):
+        if self.gather:
+            self._engine_replay()
         if type(x) is not int:
             return x.unpack()
         if self.diverged and self.call is not None and self.finished:
@@ -128,6 +172,28 @@ class Frame:
             self._check_leaves()
             self.results = self.plan.replay(self.leaves, self.rng)
         return self.results.pop(x)
+
+    def _engine_replay(self) -> None:
+        """Under an engine that releases the parameters (gradaccel/recompute/engine.py): at the
+        first unpack of backward, on every rank alike, its hook gathers what the region read from
+        outside, the whole replay runs (if the plan drops anything; for a call that strayed from
+        its trace, the whole region again), and the hook releases."""
+        self.gather = False
+        with engine.replaying(self._outside()):
+            if self.diverged and self.call is not None:
+                self._rerun()
+            elif self.plan.dropped_packs:
+                self._replay_all()
+
+    def _replay_all(self) -> None:
+        self._check_leaves()
+        self.results = self.plan.replay(self.leaves, self.rng)
+
+    def _outside(self) -> list:
+        """The tensors the region read from outside its arguments (its parameters), alive."""
+        found = (s.external.at() for s in self.plan.graph.storages
+                 if s.external is not None and s.external.source is Source.OBJ)
+        return [t for t in found if t is not None]
 
     def _check_leaves(self) -> None:
         """Replay reads the arguments and outputs as they are now: refuse, loudly, what would
@@ -158,6 +224,7 @@ class Frame:
             self.divergence = (f"it saved {self.k} tensors, where the trace saved {len(self.plan.keep)} "
                                f"(the next: {_traced(self.plan.graph, self.plan.graph.packs[self.k])})")
         self.finished = True
+        self.gather = self.engine
         if self.diverged and self.call is not None:  # recomputed whole, from its arguments: no leaves
             self.leaves = {}
             self.versions = {id(t): (t, t._version) for t in tree_flatten(self.call[1:])[0]
@@ -177,30 +244,34 @@ class Frame:
         call dropped (those before it strayed). ``x``: the pack index. The one way to rebuild
         them that does not trust the trace."""
         if self.results is None or x not in self.results:
-            self._check_versions()
-            fn, args, kwargs = self.call
-            # What this call handed to autograd as pack indices: the packs before it strayed
-            # that the plan does not keep (dropped or offloaded).
-            wanted = {k for k in range(self.strayed_at) if not self.plan.keep[k]}
-            results, count = {}, [0]
-
-            def pack(t):
-                k = count[0]
-                count[0] = k + 1
-                if k in wanted:
-                    results[k] = t.detach() if t.requires_grad else t
-                return k
-
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.enable_grad())
-                stack.enter_context(rng_restored(self.rng))
-                stack.enter_context(autocast_off(self.plan.graph.devices))
-                stack.enter_context(autocast_as(self.plan.graph.autocast))
-                stack.enter_context(saved_tensors_hooks(pack, _never))
-                stack.enter_context(active(self))  # split-off submodules run as in the forward
-                fn(*args, **kwargs)
-            self.results = results
+            self._rerun()
         return self.results.pop(x)
+
+    def _rerun(self) -> None:
+        """Runs the region again whole, on the arguments it was called with, and keeps what this
+        call handed to autograd as pack indices: the packs before it strayed that the plan does
+        not keep (dropped or offloaded)."""
+        self._check_versions()
+        fn, args, kwargs = self.call
+        wanted = {k for k in range(self.strayed_at) if not self.plan.keep[k]}
+        results, count = {}, [0]
+
+        def pack(t):
+            k = count[0]
+            count[0] = k + 1
+            if k in wanted:
+                results[k] = t.detach() if t.requires_grad else t
+            return k
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(rng_restored(self.rng))
+            stack.enter_context(autocast_off(self.plan.graph.devices))
+            stack.enter_context(autocast_as(self.plan.graph.autocast))
+            stack.enter_context(saved_tensors_hooks(pack, _never))
+            stack.enter_context(active(self))  # split-off submodules run as in the forward
+            fn(*args, **kwargs)
+        self.results = results
 
 
 class OffloadFrame(Frame):
@@ -251,6 +322,8 @@ class OffloadFrame(Frame):
 
     @torch._disable_dynamo
     def unpack(self, x):
+        if self.gather:
+            self._engine_replay()
         if type(x) is not int or self.call is not None and self.finished:
             return super().unpack(x)  # kept, or a call recomputed whole
         if not self.prefetched:  # this region's copies, and the next region's (backward order)
@@ -277,6 +350,22 @@ class OffloadFrame(Frame):
             self.leaves[sid] = self._fetch(sid)
         try:
             return super().unpack(x)
+        finally:
+            for sid in starts:
+                del self.leaves[sid]
+                self._let_go(sid)
+
+    def _replay_all(self) -> None:
+        """The whole replay, for an engine's hook: from the fallback plan, or from the offloaded
+        storages fetched for it (as unpack does for the first dropped tensor)."""
+        if self.fell_back:
+            self.results = self.plan.fallback.replay(self.leaves, self.rng)
+            return
+        starts = [sid for sid, src in self.plan.leaf_sources.items() if src.source is Source.OFFLOAD]
+        for sid in starts:
+            self.leaves[sid] = self._fetch(sid)
+        try:
+            super()._replay_all()
         finally:
             for sid in starts:
                 del self.leaves[sid]
@@ -343,6 +432,9 @@ class TraceFrame(Frame):
             if not lazy_bits(t) and graph.storages[sid].creator >= 0 and rebuildable(graph, sid):
                 self.dropped.add(sid)
                 return k
+            leaf = _by_reference(graph, sid, t) if self.engine else None
+            if leaf is not None:
+                return ByReference(leaf, t, graph.packs[k])
             saved = Saved(t)
             self.kept[k] = saved.tensor
             return saved
@@ -366,6 +458,7 @@ class TraceFrame(Frame):
         self.versions = _versions(self.leaves, self.plan)
         self.flat = self.kept = None
         self.finished = True
+        self.gather = self.engine
         return True
 
     def _held_leaves(self, plan: Plan) -> dict:
@@ -395,6 +488,8 @@ class TraceFrame(Frame):
     def unpack(self, x):
         if not self.finished:
             return x.unpack() if type(x) is not int else self._unpack_in_forward(x)
+        if self.gather:
+            self._engine_replay()
         if type(x) is int and self.plan.keep[x]:  # an output's storage, dropped before it was one
             p = self.graph.packs[x]
             saved = self.taken_back.get(p.storage)

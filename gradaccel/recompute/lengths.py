@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradaccel.recompute import engine as _engine
 from gradaccel.recompute import split_off as _split
 from gradaccel.recompute.cost import FLOPS_PER_BYTE, OpCost, price
 from gradaccel.recompute.roles import Source
@@ -455,6 +456,9 @@ def analyse(template: Template, fn, flat: list, spec):
         return None
     if any(isinstance(x, torch.Tensor) and x.storage_offset() != 0 for x in flat):
         template.why = "an argument is a view at a non-zero offset"
+        return None
+    if _engine.active():  # and reading one there would start a collective on this rank alone
+        template.why = "an engine shards its parameters (DeepSpeed ZeRO-3): outside their modules' hooks they are released"
         return None
     state = _attributes(fn)
     try:

@@ -24,6 +24,11 @@ def active(frame):
         _ACTIVE.pop()
 
 
+def frames() -> list:
+    """The frames of the regions whose forward is running, innermost last."""
+    return list(_ACTIVE)
+
+
 @contextlib.contextmanager
 def module_stack(stack: list):
     """Keeps ``stack`` as the modules whose forward is running (the trace only): it tells which

@@ -45,14 +45,16 @@ def ds_config(stage=2, **extra):
             **extra}
 
 
-def train(kind, use_gradaccel, out, accum=A, max_grad_norm=0.05, **kw):
-    """A DeepSpeed ZeRO-2 Trainer run on 2 CPU processes: uneven lengths, accumulation, HF
-    checkpointing on, clipping (DeepSpeed's, from max_grad_norm)."""
-    model = load(kind)
+def train(kind, use_gradaccel, out, accum=A, max_grad_norm=0.05, model=None, deepspeed=None, **kw):
+    """A DeepSpeed Trainer run on 2 CPU processes: uneven lengths, accumulation, HF checkpointing on,
+    clipping (DeepSpeed's, from max_grad_norm). ``model``: instead of ``load(kind)``; ``deepspeed``:
+    instead of the ZeRO-2 config."""
+    model = load(kind) if model is None else model  # before the arguments: a ZeRO-3 config makes
+    # from_pretrained partition (zero.Init), before this CPU run has its process group
     args = dict(output_dir=os.path.join(OUT, out), per_device_train_batch_size=MICRO, gradient_accumulation_steps=accum,
                 max_steps=WINDOWS, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", seed=0,
                 data_seed=0, disable_tqdm=True, learning_rate=1e-2, gradient_checkpointing=True,
-                max_grad_norm=max_grad_norm, deepspeed=ds_config())
+                max_grad_norm=max_grad_norm, deepspeed=deepspeed or ds_config())
     args.update(kw)
     trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**args), train_dataset=data(),
                                    data_collator=pad_collate)
@@ -137,8 +139,13 @@ def bf16():
     compare(ref, ours, clipped=1.0)
 
 
-def accelerate_loop(use_gradaccel):
-    """The accelerate recipe with a DeepSpeed plugin: accumulate(), backward(), step(); each rank on its own data."""
+def accelerate_loop(use_gradaccel, zero=None, lengths=None, live=None):
+    """The accelerate recipe with a DeepSpeed plugin: accumulate(), backward(), step(); each rank on
+    its own data. ``zero``: the zero_optimization section (ZeRO-2's by default); ``lengths``: one
+    length for every micro-batch (else uneven); ``live``: a LiveBytes entered around the forward and
+    backward of the last window's micro-batches but its last (whose backward steps the optimizer:
+    accelerate's engine wrapper), noting in ``live.held`` what each forward left for its backward.
+    Returns the engine, the losses, what enable said, and the accelerator."""
     import accelerate
     from accelerate.utils import DeepSpeedPlugin
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir())
@@ -148,7 +155,7 @@ def accelerate_loop(use_gradaccel):
     cfg = dict(ds_config(), train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=A, gradient_clipping=0.5)
     for k in ("train_batch_size", "bf16"):
         cfg.pop(k)
-    cfg["zero_optimization"] = {"stage": 2}
+    cfg["zero_optimization"] = zero or {"stage": 2}
     # Not cpu=True: accelerate then ignores the plugin. DS_ACCELERATOR=cpu keeps DeepSpeed on the CPU.
     accelerator = accelerate.Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=A)
     said = []
@@ -162,19 +169,27 @@ def accelerate_loop(use_gradaccel):
     gen = torch.Generator().manual_seed(100 + RANK)
     losses = []
     for k in range(A * WINDOWS):
-        ids = torch.randint(2, 64, (MICRO, 5 + (3 * k + RANK) % 7), generator=gen)
+        ids = torch.randint(2, 64, (MICRO, lengths or 5 + (3 * k + RANK) % 7), generator=gen)
+        measured = live is not None and k >= A * (WINDOWS - 1) and (k + 1) % A
         with accelerator.accumulate(model):
+            if measured:
+                live.__enter__()
+                before = live.live
             loss = model(input_ids=ids, labels=ids).loss
+            if measured:
+                live.held.append(live.live - before)
             accelerator.backward(loss)
+            if measured:
+                live.__exit__(None, None, None)
             opt.step()
             opt.zero_grad()
         losses.append(loss.item())
-    return model, losses, [str(w.message) for w in said]
+    return model, losses, [str(w.message) for w in said], accelerator
 
 
 def accelerate_run():
-    ref, ref_losses, _ = accelerate_loop(False)
-    model, losses, said = accelerate_loop(True)
+    ref, ref_losses, _, _ = accelerate_loop(False)
+    model, losses, said, _ = accelerate_loop(True)
     assert type(model).__name__ == "DeepSpeedEngine" and model.zero_optimization_stage() == 2
     layers = [m for m in model.module.modules() if type(m).__name__ == "LlamaDecoderLayer"]
     assert all(isinstance(m._gradient_checkpointing_func, _HFCheckpoint) for m in layers)
@@ -188,8 +203,8 @@ def accelerate_run():
 
 
 def refused():
-    """On real DeepSpeed Trainers: ZeRO-3 and DeepSpeed's activation checkpointing are refused at
-    hf.enable, naming what works; bf16 accumulation is pointed at grad_accum_dtype."""
+    """On real DeepSpeed Trainers: DeepSpeed's activation checkpointing and ZeRO-3 parameters on
+    NVMe are refused at hf.enable, naming what works; bf16 accumulation is pointed at grad_accum_dtype."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     def trainer(cfg, **kw):
@@ -197,7 +212,8 @@ def refused():
         args = transformers.TrainingArguments(output_dir=os.path.join(OUT, "refused"), use_cpu=True, report_to=[],
                                               deepspeed=cfg, **kw)
         return transformers.Trainer(model=model, args=args, train_dataset=data(), data_collator=pad_collate)
-    for cfg, words in [(ds_config(stage=3), ["ZeRO-3", "fully_shard", '"stage": 2']),
+    nvme = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": OUT}}
+    for cfg, words in [(ds_config(zero_optimization=nvme), ["ZeRO-3", "NVMe", '"device": "cpu"']),
                        (ds_config(activation_checkpointing={"partition_activations": True}),
                         ["partition_activations", "gradient_checkpointing=True"])]:
         try:
@@ -221,14 +237,17 @@ def refused():
 SCENARIOS = {"full": full, "lora": lora, "bf16": bf16, "accelerate": accelerate_run, "refused": refused}
 
 
-def main():
+def main(scenarios=None):
+    """Runs ``scenarios`` (this script's by default; ``argv[2]``: a comma-separated choice) and
+    writes ``OUT/rank{r}.json``."""
+    scenarios = scenarios or SCENARIOS
     model_dir()  # before the process group: save_pretrained writes on the main process only
-    only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SCENARIOS)
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(scenarios)
     results = {}
     for name in only:
         t0 = time.monotonic()
         try:
-            SCENARIOS[name]()
+            scenarios[name]()
             results[name] = "ok"
         except BaseException:
             results[name] = traceback.format_exc()

@@ -53,7 +53,7 @@ def test_refused_setups_name_the_route(kind, words):
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if kind == "FSDP" else None
     acc = _accelerator(getattr(DistributedType, kind), fsdp_plugin=plugin)
     with pytest.raises(ValueError) as err:
-        hf._patch_accelerator(acc, None)
+        hf._enable_accelerator(acc, None)
     assert all(w in str(err.value) for w in words), str(err.value)
     assert not hasattr(acc, "_gradaccel")  # nothing patched
 
@@ -63,14 +63,16 @@ def test_ddp_comm_hook_refused():
     acc = _accelerator(DistributedType.MULTI_CPU, fsdp_plugin=None)
     acc.ddp_handler = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
     with pytest.raises(ValueError, match="communication hook.*once per window"):
-        _hf_dist.check(acc)
+        hf.pick(acc).check(fuse_wgrad=False)
 
 
 def test_fsdp_plugin_ignored_on_cpu_is_said():
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     acc = _accelerator(DistributedType.MULTI_CPU, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    backend = hf.pick(acc)
+    assert isinstance(backend, _hf_dist.DataParallel)
     with pytest.warns(UserWarning, match="FSDP plugin was given.*data parallelism"):
-        _hf_dist.check(acc)
+        backend.say(None)
 
 
 def test_batchnorm_refused():

@@ -1,9 +1,9 @@
-"""gradaccel.hf.enable under DeepSpeed ZeRO-2, launched as a user launches it:
+"""gradaccel.hf.enable under DeepSpeed ZeRO-2 and ZeRO-3, launched as a user launches it:
 ``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2`` on a Trainer script with ``deepspeed=`` (CPU,
-gloo). The rank script, tests/integrations/hf_deepspeed_ranks.py, runs every scenario in one
-launch against stock DeepSpeed Trainer with Hugging Face's checkpointing; here each scenario's
-result is read per rank. Plus what is refused or said, on accelerators this machine cannot
-launch (one process, no launch). Skipped where deepspeed is not installed (the ``[deepspeed]``
+gloo). The rank scripts, tests/integrations/hf_deepspeed_ranks.py (ZeRO-2) and hf_zero3_ranks.py
+(ZeRO-3), run every scenario in one launch each against stock DeepSpeed with Hugging Face's
+checkpointing; here each scenario's result is read per rank. Plus what is refused or said, on
+accelerators this machine cannot launch (one process, no launch). Skipped where deepspeed is not installed (the ``[deepspeed]``
 extra; ``make test`` installs it)."""
 
 import types
@@ -22,19 +22,29 @@ from gradaccel.integrations import hf_deepspeed  # noqa: E402
 from _dist import torchrun  # noqa: E402
 
 HERE = Path(__file__).parent
-SCENARIOS = ["full", "lora", "bf16", "accelerate", "refused"]
-TIMEOUT_S = 300  # the launch; ~70 s on 2 busy cores
+# One torchrun launch per rank script, its scenarios read per rank: ZeRO-2 (hf_deepspeed_ranks.py,
+# ~70 s on 2 busy cores) and ZeRO-3 (hf_zero3_ranks.py: the Trainer, full and LoRA; an accelerate
+# loop with a DeepSpeedPlugin at stage 3; the peak at budget 0.5; NVMe refused; ~90 s).
+LAUNCHES = {"zero2": ("hf_deepspeed_ranks.py", ["full", "lora", "bf16", "accelerate", "refused"]),
+            "zero3": ("hf_zero3_ranks.py", ["full", "lora", "accelerate", "peak", "refused"])}
+TIMEOUT_S = 420
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return torchrun(HERE / "hf_deepspeed_ranks.py", tmp_path_factory.mktemp("hf_deepspeed"), TIMEOUT_S,
-                    DS_ACCELERATOR="cpu")
+def launched(tmp_path_factory):
+    done = {}
+
+    def results(launch):
+        if launch not in done:
+            script = LAUNCHES[launch][0]
+            done[launch] = torchrun(HERE / script, tmp_path_factory.mktemp(launch), TIMEOUT_S, DS_ACCELERATOR="cpu")
+        return done[launch]
+    return results
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_two_processes_zero2(results, scenario):
-    for rank, res in enumerate(results):
+@pytest.mark.parametrize("launch, scenario", [(k, s) for k, (_, names) in LAUNCHES.items() for s in names])
+def test_two_processes(launched, launch, scenario):
+    for rank, res in enumerate(launched(launch)):
         assert res.get(scenario) == "ok", f"rank {rank}:\n{res.get(scenario)}"
 
 
@@ -49,15 +59,15 @@ def _accelerator(config, mixed_precision="no"):
 
 
 @pytest.mark.parametrize("config, words", [
-    ({"zero_optimization": {"stage": 3}}, ["ZeRO-3", "fully_shard", "sync='window'", '"stage": 2',
-                                             "Hugging Face's own checkpointing"]),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     ["ZeRO-3", "NVMe", '"offload_param": {"device": "cpu"}', "Hugging Face's own checkpointing"]),
     ({"zero_optimization": {"stage": 2}, "activation_checkpointing": {"cpu_checkpointing": True}},
      ["cpu_checkpointing", "deepspeed.checkpointing.checkpoint", "gradient_checkpointing=True", "offload=True"]),
 ])
 def test_refused_name_what_works(config, words):
     acc = _accelerator(config)
     with pytest.raises(ValueError) as err:
-        hf._patch_accelerator(acc, 0.5)
+        hf._enable_accelerator(acc, 0.5)
     assert all(w in str(err.value) for w in words), str(err.value)
     assert not hasattr(acc, "_gradaccel")  # nothing patched
 
@@ -68,15 +78,18 @@ def test_refused_name_what_works(config, words):
     ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}, "bf16", "bf16"),
     ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, "no", "fp32"),
     ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, "no", "fp16"),
+    ({"zero_optimization": {"stage": 3}, "data_types": {"grad_accum_dtype": "fp32"}}, "no", "fp32"),
 ])
 def test_split_said_once_naming_fp32_accumulation(config, mixed, accum):
     acc = _accelerator(config, mixed)
     with pytest.warns(UserWarning) as said:
-        hf._patch_accelerator(acc, 0.5)
-        hf._patch_accelerator(acc, 0.25)  # again (a new budget): nothing more said
+        hf._enable_accelerator(acc, 0.5)
+        hf._enable_accelerator(acc, 0.25)  # again (a new budget): nothing more said
     msgs = [str(w.message) for w in said if "gradaccel.hf.enable under DeepSpeed" in str(w.message)]
     assert len(msgs) == 1, msgs
     stage = config.get("zero_optimization", {}).get("stage", 0)
     assert f"ZeRO-{stage}" in msgs[0] and "DeepSpeed keeps the gradient" in msgs[0] and f"(in {accum})" in msgs[0]
     assert (hf_deepspeed.FP32_ACCUM in msgs[0]) == (accum != "fp32"), msgs[0]
-    assert acc._gradaccel.deepspeed and acc._gradaccel.budget == 0.25 and not acc._gradaccel.fused()
+    assert ("GatheredParameters" in msgs[0]) == (stage == 3), msgs[0]
+    state = acc._gradaccel
+    assert not state.backend.owns_gradient and state.budget == 0.25 and not state.fused()

@@ -108,3 +108,38 @@ def test_trainer_resume_matches_stock(base_and_data, tmp_path):
     assert_engaged(trainer, model)
     assert trainer.state.global_step == WINDOWS
     assert_close_params(ref, model, exact=True)
+
+
+def test_disable_undoes_enable(base_and_data, tmp_path):
+    """gradaccel.hf.disable after a trained run: the trainer's and accelerator's methods are their
+    classes' again, the optimizer is unwrapped (accelerate holds the inner AdamW, at the state it
+    reached), the layers checkpoint as before enable; the next train() is stock Trainer's."""
+    base, data = base_and_data
+    model = copy.deepcopy(base)
+    trainer = _trainer(model, data, tmp_path / "ga", (None, None), collator=pad_collate, gradient_accumulation_steps=A,
+                       max_steps=WINDOWS, gradient_checkpointing=True, learning_rate=1e-2, save_strategy="no")
+    layers = model.transformer.h
+    before = [(b.gradient_checkpointing, vars(b).get("_gradient_checkpointing_func")) for b in layers]
+    acc = trainer.accelerator
+    gradaccel.hf.enable(trainer, budget=0.5)
+    assert {"train", "create_accelerator_and_postprocess"} <= set(vars(trainer))
+    assert {"prepare", "prepare_optimizer", "clip_grad_norm_", "backward"} <= set(vars(acc))
+    trainer.train()
+    fused = trainer.optimizer.optimizer
+    assert isinstance(fused, gradaccel.FusedAccumOptimizer)
+    gradaccel.hf.disable(trainer)
+    assert not {"train", "create_accelerator_and_postprocess", "_gradaccel_patches"} & set(vars(trainer))
+    assert not {"prepare", "prepare_optimizer", "clip_grad_norm_", "clip_grad_value_", "backward",
+                "_gradaccel"} & set(vars(acc))
+    inner = trainer.optimizer.optimizer
+    assert isinstance(inner, torch.optim.AdamW) and inner is fused.optimizer and inner.state
+    assert [(b.gradient_checkpointing, vars(b).get("_gradient_checkpointing_func")) for b in layers] == before
+    assert not any("_gradaccel_checkpoint" in vars(m) for m in model.modules())
+    reset_plans()
+    steps = next(iter(inner.state.values()))["step"].item()
+    trainer.args.max_steps = 2 * WINDOWS
+    trainer.train(resume_from_checkpoint=False)
+    assert trainer.optimizer.optimizer is inner and next(iter(inner.state.values()))["step"].item() > steps
+    assert all(b.gradient_checkpointing and not isinstance(b._gradient_checkpointing_func,
+                                                           gradaccel.recompute.blocks._HFCheckpoint) for b in layers)
+    assert not plan_rows()
