@@ -152,3 +152,47 @@ def test_no_hook_no_change():
     x = torch.randn(2, 16, 32, requires_grad=True)
     gradaccel.checkpoint(nn.Linear(32, 32), x, budget=0.5).sum().backward()
     assert shards.hook_calls == 0
+
+
+class _Strays(nn.Module):
+    """A region whose saves hang on a dict entry (outside the plan's signature): switching it
+    makes the planned call stray from its trace after a dropped tensor (tests/recompute/test_divergence.py)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.path = {"mode": "cos"}
+
+    def forward(self, x):
+        a = self.lin(x)
+        b = a.exp()
+        c = b.sin() if self.path["mode"] == "sin" else b.cos()
+        return a * c
+
+
+def test_a_call_that_strays_reruns_inside_the_engines_gather():
+    """The rerun of a call that strayed reads the released parameters: the engine's hook gathers
+    them around it, at the same point as for any other call (a collective on every rank)."""
+    model, ref = _Strays(), _Strays()
+    x = torch.randn(4, 8)
+    shards = Shards(model)
+    try:
+        import warnings
+
+        for mode in ("cos", "sin"):  # traced and planned on cos; the third call strays
+            model.path["mode"] = ref.path["mode"] = mode
+            for _ in range(2 if mode == "cos" else 1):
+                model.zero_grad()
+                ref.zero_grad()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    gradaccel.checkpoint(model, x, budget=0.34).square().sum().backward()
+                shards.release_all()
+                ref(x).square().sum().backward()
+                for p, q in zip(ref.parameters(), model.parameters()):
+                    assert torch.equal(q.grad, p.grad)
+        assert shards.hook_calls == 3  # once per call in backward, the strayed one included
+        assert shards.hook_params[-1] == 2  # it gathered the released weight and bias for the rerun
+    finally:
+        shards.handle.remove()
