@@ -32,6 +32,8 @@ import math
 import warnings
 
 import torch
+from torch._subclasses import fake_tensor as _fake_tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 @contextlib.contextmanager
@@ -50,29 +52,31 @@ def python_matmul():
 @contextlib.contextmanager
 def parameter_subclasses():
     """Fake tensors take a ``Parameter`` subclass without a ``__torch_dispatch__`` of its own as
-    a ``Parameter`` inside the block, as torch 2.13's do (a private function of torch's,
-    ``fake_tensor._check_for_subclass_arg``, swapped for its 2.13 rule meanwhile)."""
-    from torch._subclasses import fake_tensor
-
-    own = fake_tensor._check_for_subclass_arg
-    if not _fake_refuses_parameter_subclasses():  # torch 2.13 on
+    a ``Parameter`` inside the block, as torch 2.13's do: a private function of torch's,
+    ``fake_tensor._check_for_subclass_arg``, is swapped for :func:`_subclass_rule` meanwhile."""
+    if _TORCH_RULE is None or not _refuses_parameter_subclasses():  # torch 2.13 on
         yield
         return
-    fake_tensor._check_for_subclass_arg = lambda x: own(x) and not (
-        isinstance(x, torch.nn.Parameter) and type(x).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+    _fake_tensor._check_for_subclass_arg = _subclass_rule
     try:
         yield
     finally:
-        fake_tensor._check_for_subclass_arg = own
+        _fake_tensor._check_for_subclass_arg = _TORCH_RULE  # torch's own, whatever ran meanwhile
+
+
+_TORCH_RULE = getattr(_fake_tensor, "_check_for_subclass_arg", None)
+
+
+def _subclass_rule(x) -> bool:
+    """torch 2.13's ``_check_for_subclass_arg``: whether fake tensors leave ``x`` to its subclass."""
+    return _TORCH_RULE(x) and not (isinstance(x, torch.nn.Parameter)
+                                   and type(x).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
 
 
 @functools.cache
-def _fake_refuses_parameter_subclasses() -> bool:
-    from torch._subclasses import fake_tensor
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():  # a real probe, also when asked inside a fake mode
-        return fake_tensor._check_for_subclass_arg(_Params(torch.empty(0)))
+def _refuses_parameter_subclasses() -> bool:
+    with _disable_current_modes():  # a real probe, also when first asked inside a fake mode
+        return _TORCH_RULE(_Params(torch.empty(0)))
 
 
 class _Params(torch.nn.Parameter):
