@@ -76,18 +76,24 @@ COMPAT_VENV  ?= .venv-compat
 # runtime bound fails interpreted. Compiled kernels never touch numpy; triton 3.7+ is fixed.
 COMPAT_PINS  ?= torch==2.11.0 triton==3.6.0 "numpy<2.4"
 COMPAT_DIR   := build/compat
+# Some of the suite only: make compat COMPAT_TESTS=tests/recompute/test_foreign_ops.py
+COMPAT_TESTS ?= tests
+# A rerun reuses the venv, the installed dependencies (again only when pyproject.toml or the pins
+# change: a stamp in the venv keyed by both) and the extension's build (cached per torch version,
+# gradaccel/ops/extension.py), so it costs the suite alone (docs/benchmarks.md gives the times).
 compat:
 	@test -x $(COMPAT_VENV)/bin/python || { $(PYTHON) -m venv $(COMPAT_VENV) && \
 		$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip wheel setuptools && \
 		$(COMPAT_VENV)/bin/python -m pip install -q $(COMPAT_PINS); }
-	@# A fresh copy of the tree, but its build/ stays: tar keeps mtimes, so ninja recompiles only what changed.
+	@# A fresh copy of the tree (its build/ folder stays).
 	mkdir -p $(COMPAT_DIR) && find $(COMPAT_DIR) -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
 	git ls-files -z --cached --others --exclude-standard | tar --null -T - --ignore-failed-read -cf - | tar -xf - -C $(COMPAT_DIR)
-	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pip install -q \
-		--no-build-isolation -e ".[$(EXTRAS)]" $(COMPAT_PINS)
+	@stamp=$(COMPAT_VENV)/.installed-$$(printf '%s\n' '$(COMPAT_PINS) $(EXTRAS)' | cat - pyproject.toml | sha1sum | cut -c1-16); \
+	test -e $$stamp || { cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pip install -q \
+		--no-build-isolation -e ".[$(EXTRAS)]" $(COMPAT_PINS) && cd $(CURDIR) && rm -f $(COMPAT_VENV)/.installed-* && touch $$stamp; }
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m gradaccel.build
 	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -c "import torch, triton; print('compat:', torch.__version__, 'triton', triton.__version__)"
-	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pytest -q tests
+	cd $(COMPAT_DIR) && $(CURDIR)/$(COMPAT_VENV)/bin/python -m pytest -q $(COMPAT_TESTS)
 
 # Writes bench/results/latest (ignored by git): the tree stays as it was. Publishing a run's
 # tables is a step of its own, `make results`. `make bench`: the default suites, the first table

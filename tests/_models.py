@@ -7,18 +7,9 @@ block saves for backward, dropout's random draws among them, which the planner m
 import dataclasses
 import math
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from gradaccel.recompute.lengths import sizes_matmul
-
-# For tests that count traces across lengths of a region with a batched matmul: one trace per
-# structure holds where torch's matmul keeps sizes symbolic (2.13). On older torch (the GPU
-# machine's 2.11) such regions are traced per size, as the rest of the suite checks.
-sized_matmul = pytest.mark.skipif(not sizes_matmul(), reason="this torch's matmul pins symbolic sizes: regions "
-                                  "with one are traced per size (gradaccel.recompute.lengths.sizes_matmul)")
 
 
 @dataclasses.dataclass

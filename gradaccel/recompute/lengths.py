@@ -43,6 +43,7 @@ from gradaccel.recompute import engine as _engine
 from gradaccel.recompute import split_off as _split
 from gradaccel.recompute.cost import FLOPS_PER_BYTE, OpCost, price
 from gradaccel.recompute.roles import Source
+from gradaccel.recompute.backports import parameter_subclasses, python_matmul
 from gradaccel.recompute.plan import Shared
 from gradaccel.recompute.trace import Graph, Op, Pack, Recorder, Ref, Storage, is_foreign
 
@@ -426,7 +427,7 @@ def _symbolic_pass(template: Template, fn, flat: list, spec):
         return t
 
     args, kwargs = tree_unflatten(fake, spec)
-    with mode, saved_tensors_hooks(pack, lambda t: t), _SymbolicRecorder(graph, template.graph):
+    with mode, _backports(), saved_tensors_hooks(pack, lambda t: t), _SymbolicRecorder(graph, template.graph):
         out = fn(*args, **kwargs)
     graph.finish(out)
     return graph, env, sources, checks
@@ -434,15 +435,39 @@ def _symbolic_pass(template: Template, fn, flat: list, spec):
 
 @functools.cache
 def sizes_matmul() -> bool:
-    """Whether this torch's ``matmul`` keeps symbolic sizes symbolic (torch 2.13 does). Before,
-    its C++ code read a batched operand's sizes as plain ints, which pins the symbolic pass to
-    the template's sizes: a region that multiplies batched matrices (attention's ``q @ k^T``, a
-    ``Linear`` without bias on 3-d input) then has no formulas and is traced per size, as it was
-    before sizing (correct, not sized)."""
+    """Whether the symbolic pass keeps a matmul's sizes symbolic: True on the torch range
+    gradaccel supports (2.11 on). Before 2.13, torch's own C++ matmul reads them as ints, so there
+    the pass runs gradaccel/recompute/backports.py's copy of it. Where False (a torch whose
+    matmul changed its ops), a region with a batched matmul (attention's ``q @ k^T``, a
+    ``Linear`` without bias on 3-d input) has no formulas and is traced per size (correct, not
+    sized)."""
+    return _keeps_sizes(_backports())
+
+
+@functools.cache
+def _torch_matmul_pins_sizes() -> bool:
+    """Whether torch's own C++ matmul reads symbolic sizes as ints (before torch 2.13)."""
+    return not _keeps_sizes(contextlib.nullcontext())
+
+
+@contextlib.contextmanager
+def _backports():
+    """What the symbolic pass needs of torch 2.13, where this torch lacks it (backports.py)."""
+    with python_matmul() if _torch_matmul_pins_sizes() else contextlib.nullcontext(), parameter_subclasses():
+        yield
+
+
+def _keeps_sizes(backports) -> bool:
+    """Whether a batched and a folded product (3-d @ 3-d, 3-d @ 2-d) keep their sizes symbolic
+    with ``backports`` (a context) on."""
     env, mode = _symbolic_mode()
     x = _symbolic_tensor(mode, torch.empty(2, 3, 4), "gradaccel_probe")
-    with mode:
-        x @ x.transpose(1, 2)
+    try:
+        with mode, backports:
+            x @ x.transpose(1, 2)
+            x @ x[0].T
+    except RuntimeError:  # torch 2.11's folded path: "Cannot call numel() on tensor with symbolic sizes"
+        return False
     return not any(v.is_number for v in env.replacements.values())
 
 

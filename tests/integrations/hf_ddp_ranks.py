@@ -26,7 +26,6 @@ import transformers  # noqa: E402
 import gradaccel  # noqa: E402
 from bench.common import pad_collate  # noqa: E402 (the padding collator the Trainer bench uses)
 from gradaccel.recompute.checkpoint import plan_rows, reset_plans  # noqa: E402
-from gradaccel.recompute.lengths import sizes_matmul  # noqa: E402
 
 A, MICRO, WINDOWS, VOCAB = 4, 2, 3, 64
 # The process group's timeout, and so gradaccel's check's. TrainingArguments(ddp_timeout=...) sets it
@@ -176,11 +175,11 @@ def qlora():
     _, ours = compare("qlora")
     inner = ours.optimizer.optimizer.optimizer  # accelerate's > gradaccel's > bitsandbytes' paged 8-bit AdamW
     assert isinstance(inner, bnb.optim.AdamW) and inner.args.optim_bits == 8 and inner.is_paged
-    if sizes_matmul():  # each layer traced once a structure on each rank (with a padding mask, and
-        # without one), every other length sized (gemm_4bit included)
-        counts = [r["lengths"] for r in plan_rows()]
-        assert {(c["traced"], c["not_sized"]) for c in counts} == {(1, "")}, counts
-        assert max(c["sized"] for c in counts) >= 2, counts
+    # Each layer traced once a structure on each rank (with a padding mask, and without one),
+    # every other length sized (gemm_4bit included), on each torch.
+    counts = [r["lengths"] for r in plan_rows()]
+    assert {(c["traced"], c["not_sized"]) for c in counts} == {(1, "")}, counts
+    assert max(c["sized"] for c in counts) >= 2, counts
 
 
 def resume():

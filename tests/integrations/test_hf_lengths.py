@@ -16,7 +16,6 @@ import gradaccel  # noqa: E402
 from test_hf_stack import model_dir, tokenizer  # noqa: E402,F401 (the same tiny Llama and word-level tokenizer)
 from gradaccel.recompute.checkpoint import plan_rows, reset_plans  # noqa: E402
 from gradaccel.recompute.state import STATE  # noqa: E402
-from _models import sized_matmul  # noqa: E402
 
 A, MICRO, WINDOWS, VOCAB = 2, 2, 4, 64  # VOCAB: test_hf_stack's
 
@@ -67,7 +66,6 @@ def _sft(model_dir, tokenizer, texts, out, ours, **kw):
     return _train(trainer, ours)
 
 
-@sized_matmul
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "padding_free"])
 def test_sft_trainer_lengths(model_dir, tokenizer, texts, tmp_path, padding_free):
     # TRL refuses padding_free without packing unless max_length=None (it would not truncate);
@@ -79,7 +77,6 @@ def test_sft_trainer_lengths(model_dir, tokenizer, texts, tmp_path, padding_free
 
 
 
-@sized_matmul
 def test_trainer_with_a_padding_collator(model_dir, tokenizer, texts, tmp_path):
     # DataCollatorForLanguageModeling(mlm=False) pads as DataCollatorWithPadding does and adds
     # the labels a causal LM's loss needs (pads ignored).

@@ -17,7 +17,6 @@ datasets = pytest.importorskip("datasets")
 
 from test_hf_stack import VOCAB, model_dir, tokenizer, train_quietly  # noqa: E402,F401 (same Llama, tokenizer)
 from gradaccel.recompute.checkpoint import plan_rows  # noqa: E402
-from _models import sized_matmul  # noqa: E402
 
 A, WINDOWS = 4, 3  # batch 1: A * WINDOWS micro-batches, each its own length
 
@@ -46,7 +45,6 @@ def qlora_sft(model_dir, tokenizer, texts, out, ours, dropout, optim="sgd", **kw
     return train_quietly(trainer, ours)
 
 
-@sized_matmul
 @pytest.mark.parametrize("dropout,kw", [(0.05, {}), (0.0, {}), (0.05, dict(padding_free=True, max_length=None))],
                          ids=["lora-dropout", "no-dropout", "padding-free"])
 def test_qlora_sft_every_length_is_sized_and_equals_stock(model_dir, tokenizer, texts, tmp_path, dropout, kw):

@@ -14,7 +14,7 @@ from gradaccel.memory.lengths import LengthProfile, profile_lengths
 from gradaccel.memory.profile import KEEP_ALL, Profile, profile_runs
 from gradaccel.memory.target import MemoryTarget, _step
 from gradaccel.memory.counter import LiveBytes, measured_peak
-from _models import PlainBlock, sized_matmul
+from _models import PlainBlock
 
 transformers = pytest.importorskip("transformers")
 
@@ -167,7 +167,6 @@ def test_fit_applies_a_plan_per_length_up_to_seq():
     assert hook.plans[9] != result.budgets
 
 
-@sized_matmul
 def test_memory_budgets_per_length_do_not_retrace_the_blocks():
     # memory= sets each block a byte budget per length; the budget is a plan input, not a trace
     # input, so a block is traced once and every other length (and budget) is sized, not traced.
@@ -300,7 +299,6 @@ def test_memory_runs_blocks_uncheckpointed_where_that_fits_without_planning_them
     assert _train_peak(model, ids[160]) <= memory
 
 
-@sized_matmul
 def test_memory_with_seq_traces_the_blocks_at_the_first_call():
     """With seq, the first call traces each block's region and finds its size formulas, even at a
     length that needs no checkpoint (that one call keeps everything): a length that needs one

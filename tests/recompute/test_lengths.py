@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import gradaccel
-from _models import Block, GPTConfig, assert_grads_match, sized_matmul
+from _models import Block, GPTConfig, assert_grads_match
 from gradaccel.recompute import lengths as _lengths
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.roles import Source
@@ -77,7 +77,6 @@ def check_length(fn, module, inputs, budget, seed, owner, exact=True, diverged=F
     return traced
 
 
-@sized_matmul
 @pytest.mark.parametrize("budget", [0.3, 0.6])
 def test_gpt_block_every_length_matches_and_stays_within_plan(budget):
     torch.manual_seed(0)
@@ -120,7 +119,6 @@ class _Layer(nn.Module):
             self.layer(h, attention_mask=mask, position_embeddings=(cos, sin))
 
 
-@sized_matmul
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_hf_llama_layer_every_length_matches_and_stays_within_plan(attn):
     layer = _Layer(_llama(attn)).train()
@@ -148,7 +146,6 @@ class _Bound(nn.Module):
         return self.inner(h, self.keep)
 
 
-@sized_matmul
 def test_hf_model_over_lengths_traces_each_layer_once():
     ref = _llama("sdpa", layers=2)
     model = copy.deepcopy(ref)
@@ -181,7 +178,6 @@ def test_hf_model_over_lengths_traces_each_layer_once():
     assert objs[0] <= params[0] and objs[1] <= params[1]
 
 
-@sized_matmul
 def test_blocks_given_their_own_budgets_are_sized_and_planned_once_per_length():
     """memory= and fit give each block its own budget (bytes, or a share): an input of the plan,
     not of the trace, so the blocks stay one kind. One symbolic pass serves both, and at a new
@@ -247,7 +243,6 @@ def test_structure_change_with_the_length_is_traced_again():
     assert traces(m) == [3]
 
 
-@sized_matmul
 def test_length_equal_to_hidden_size_is_no_formula_mixup():
     # Traced at T = n_embd: one symbol per size, so T and the hidden size stay apart.
     torch.manual_seed(0)
@@ -282,7 +277,6 @@ def _cheap_cost(op):
     return 0.0 if op.name == "gradaccel.offload" else float(op.flops + op.bytes)
 
 
-@sized_matmul
 @pytest.mark.parametrize("options", [dict(offload=True, cost=_cheap_cost), dict(cost=_cheap_cost)])
 def test_offload_and_cost_callable_across_lengths(options):
     torch.manual_seed(0)
@@ -464,7 +458,6 @@ class _IntArg(nn.Module):
         return (h.sigmoid() * h.exp()).reshape(x.shape[0], n * 16)
 
 
-@sized_matmul
 @pytest.mark.parametrize("branch", [False, True], ids=["slice", "branch"])
 def test_int_argument_is_a_size(branch):
     torch.manual_seed(0)
