@@ -33,7 +33,7 @@ def test_the_cache_key_names_python_torch_device_and_sources(monkeypatch, tmp_pa
     version = torch.__version__.split("+")[0]
     assert here.name.startswith(f"py{sys.version_info.major}{sys.version_info.minor}-torch{version}-")
     assert ("-cu" if torch.version.cuda else "-cpu-") in here.name
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch, "__version__", "2.99.0+cu130")  # another torch than this one
     assert extension.build_dir() != here  # two torch versions never share (or overwrite) a build
     monkeypatch.undo()
     monkeypatch.setenv("GRADACCEL_EXTENSIONS_DIR", str(tmp_path))
