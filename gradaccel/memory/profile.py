@@ -106,6 +106,7 @@ class Point:
     replay_bytes: int  # what replay holds at once (Plan.replay_peak: it lets go of each storage after its last read)
     plan: object
     host: int = 0  # bytes sent to host memory (checkpoint(..., offload=True)); not in ``kept``
+    copy: float = 0.0  # the part of ``cost`` that is those bytes' copies, priced at the measured copy speed
 
     @property
     def key(self):
@@ -151,7 +152,7 @@ class Kind:
             return self.plan_at(budget)
         copy = offload_cost_per_byte(copy_device(self.graph), self.graph.cost) * plan.offloaded_bytes
         return Point(budget, plan.kept_bytes, plan.cost + copy, plan.recompute_flops, plan.replay_peak, plan,
-                     host=plan.offloaded_bytes)
+                     host=plan.offloaded_bytes, copy=copy)
 
     @functools.cached_property
     def offload_frontier(self) -> list:
