@@ -228,3 +228,42 @@ def test_on_a_cpu_device_host_plans_are_no_savings():
     assert not any("host" in s for s in result.suggestions)
     roomy = cpu.fit(96, 1, 4 * kept, slack=0)  # fits: still no host options, and says so
     assert roomy.fits and not roomy.options and any("CPU device" in n for n in roomy.notes)
+
+
+# -- 7. memory= never stalls training ----------------------------------------------------------
+def _symbolic_passes() -> int:
+    from gradaccel.recompute.state import STATE
+
+    return sum(s.passes for shapes in list(STATE.shapes.values()) for s in shapes.values())
+
+
+def test_memory_without_seq_plans_new_lengths_without_a_profile():
+    """Issue #36's case, scaled down: memory= without seq, a target that binds at the longest
+    length, four warm-up lengths, then new lengths up to the longest. No new length makes a
+    fake-tensor profile or a symbolic pass (the stalls: the loss in chunks profiled mid-training,
+    every candidate profiled where the predicted plans went over, a region's size formulas found
+    at its first other length), and each step stays under the target."""
+    from gradaccel.memory.counter import LiveBytes
+    from gradaccel.memory.profile import profile_runs
+
+    gradaccel.reset_plans()
+    shape = (64, 176, 3, 4, 2, 512)
+    probe = _llama(*shape)
+    ids = torch.randint(0, 512, (1, 128))
+    with LiveBytes() as live:
+        probe(input_ids=ids, labels=ids).loss.backward()
+    memory = int(0.6 * live.peak)
+    model = gradaccel.checkpoint_blocks(_llama(*shape), memory=memory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "below the least" is checked below, per step
+        for t in (47, 125, 25, 56):  # warm-up: the range is profiled here
+            model(**_batch(512, 1, t)).loss.backward()
+    runs, passes = profile_runs(), _symbolic_passes()
+    for t in (128, 122, 89, 60, 33, 101, 127):
+        batch = _batch(512, 1, t)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            with LiveBytes() as live:
+                model(**batch).loss.backward()
+        assert live.peak <= memory, (t, live.peak, memory)
+        assert profile_runs() == runs and _symbolic_passes() == passes, t
