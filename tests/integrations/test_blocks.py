@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import gradaccel
 from gradaccel import checkpoint_blocks
-from _models import PlainBlock
 
 BUDGETS = [None, 0.0, 0.5, 1.0, 4096]
 
@@ -377,9 +376,11 @@ def test_blocks_in_stages_are_all_found():
 
 class _Experts(torch.nn.Module):
     """Repeated blocks that are not the largest ModuleList: a bank of wide linear layers (more
-    parameters than the blocks) that only the blocks' mixing step reads."""
+    parameters than the blocks) applied to the blocks' output."""
 
     def __init__(self, width=32, layers=3):
+        from _models import PlainBlock  # here: this file also runs as a script under torchrun
+
         super().__init__()
         self.layers = torch.nn.ModuleList(PlainBlock(width, 4) for _ in range(layers))
         self.bank = torch.nn.ModuleList(torch.nn.Linear(width, 16 * width) for _ in range(4))
@@ -408,7 +409,7 @@ def test_memory_plans_the_block_types_it_checkpoints():
     with LiveBytes() as live:
         ref(x).backward()
     memory = int(0.75 * live.peak)
-    gradaccel.checkpoint_blocks(model, block_types=PlainBlock, memory=memory)
+    gradaccel.checkpoint_blocks(model, block_types=type(model.layers[0]), memory=memory)
     assert find_blocks(model) == list(model.layers)
     target = next(h for h in model._forward_pre_hooks.values() if isinstance(h, MemoryTarget))
     model(x).backward()
