@@ -16,7 +16,8 @@ Variants, each on its own copy of the same model:
   longest length, seq=max length)`` (the longest length stated, as TRL's ``max_length`` states
   it: the first call profiles the whole range; without it, each new longest length is profiled
   once more when it comes);
-- ``gradaccel-fit``: ``gradaccel.fit.fit(model, seq=max length, batch, memory=same).apply()``.
+- ``gradaccel-fit``: ``gradaccel.fit.fit(model, seq=max length, batch, memory=same + the weights,
+  window buffer and optimizer state that exist before the step, slack=0).apply()``.
 
 Two more cases, at batch 1. Grouped-query attention (8 heads, 4 KV heads, vocabulary 512) with
 ``gradaccel-memory-noseq``: ``checkpoint_blocks(model, memory=same share)`` *without* ``seq``,
@@ -115,9 +116,12 @@ class _Variant:
         elif name == "gradaccel-memory-noseq":
             gradaccel.checkpoint_blocks(self.model, memory=target)
         elif name == "gradaccel-fit":
-            from gradaccel.memory.fit import fit
+            from gradaccel.memory.fit import Planner
 
-            plan = fit(self.model, seq=c["max_len"], batch=batch, memory=target, micro_batches=[batch])
+            # The fit's memory is the device's: the step's target plus what exists before the step
+            # (weights, the window buffer, optimizer state), which memory= leaves out.
+            planner = Planner(self.model, optim=opt)
+            plan = planner.fit(c["max_len"], batch, target + planner.static.total, slack=0, micro_batches=[batch])
             self.model, opt = plan.apply(self.model, opt)
         self.opt = opt
 
