@@ -271,7 +271,7 @@ def test_headline_is_copied_from_a_run(tmp_path):
     assert "step time" not in text  # no gradaccel row for time: the line is left out
 
 
-@pytest.mark.parametrize("name", cli.SUITES + ("offload",))
+@pytest.mark.parametrize("name", cli.SUITES + ("offload", "fit_sweep"))
 def test_real_suite_tiny(name, tmp_path, monkeypatch):
     """Each suite's own code on its tiny setting; turns on by itself once bench/<name>.py exists."""
     if not (REPO / "bench" / f"{name}.py").exists():

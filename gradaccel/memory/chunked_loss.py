@@ -27,6 +27,7 @@ Granite) has no head mode, as one whose loss is not the stock ``ForCausalLMLoss`
 
 import ast
 import inspect
+import math
 import textwrap
 import weakref
 
@@ -38,7 +39,7 @@ from gradaccel import ops
 from gradaccel.accumulate import wgrad as _wgrad
 
 __all__ = ["ChunkedLinearCrossEntropy", "HeadLogits", "HeadLogitsError", "chunk_rows", "head_flops", "install_head",
-           "set_head", "stock_head"]
+           "logsumexp_rows", "set_head", "stock_head"]
 
 
 # -- the loss from hidden states, a chunk of rows at a time --------------------------------------
@@ -85,11 +86,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             b = min(a + chunk, hidden.shape[0])
             # Under autocast F.linear casts (the weight through autocast's cache, once).
             z = logits[a:b] if logits is not None else F.linear(hidden[a:b], weight, bias)
+            own = logits is None or z.dtype != torch.float32  # z is this chunk's own tensor, not the caller's
             z = z.float()
             y = labels[a:b]
             valid = y != ignore_index
-            lse[a:b] = torch.logsumexp(z, dim=-1)
             picked = z.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
+            logsumexp_rows(z, lse[a:b], in_place=own)
             total = total + torch.where(valid, lse[a:b] - picked, 0.0).sum()
             del z
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
@@ -149,6 +151,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             del p
         return (gh, gw.to(weight.dtype) if gw is not None else None, gb.to(bias.dtype) if gb is not None else None,
                 None, None, None, None, None, None)
+
+
+def logsumexp_rows(z: torch.Tensor, out: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """``torch.logsumexp(z, dim=-1)`` into ``out``, computed as aten's kernel computes it (the
+    same ops: bit for bit), without the ``z``-sized temporary that kernel makes and frees inside
+    itself, which no dispatch-level count sees (the fake-tensor profile would miss a chunk's
+    logits' worth of memory at the loss). ``in_place``: ``z`` may be overwritten (with
+    ``exp(z - max)``); otherwise that temporary is made here, where the count sees it."""
+    m = z.amax(dim=-1)
+    m.masked_fill_(m.abs() == math.inf, 0)
+    shifted = z.sub_(m.unsqueeze(-1)) if in_place else z - m.unsqueeze(-1)
+    torch.sum(shifted.exp_(), dim=-1, out=out)
+    return out.log_().add_(m)
 
 
 def _add_wgrad(sink, gw, h, dy) -> None:

@@ -197,31 +197,86 @@ class Trajectory(LiveBytes):
         return out
 
 
-def measured_peak(model, optimizer, step, batch, windows: int = 2) -> int:
-    """The real peak of live tensor bytes over a training window, on any device.
+def measured_peak(model, optimizer, step, batch, windows: int = 2, by: str = "live") -> int:
+    """The real peak of a training window's memory, on any device.
 
     Runs ``windows`` windows of ``optimizer.accum_steps`` micro-steps (``step(model, batch)``
     returns the loss; then ``backward``, ``optimizer.step()``, ``zero_grad()``) and returns what
-    existed before (parameters, buffers, the fp32 window buffer, optimizer state) plus the
-    peak of :class:`LiveBytes` during the last window, once the optimizer state exists.
+    exists before the last window (parameters, buffers, the fp32 window buffer, optimizer
+    state) plus the peak reached during that window above what was allocated when it began.
+
+    Args:
+        by: ``"live"``: the bytes of storages aten ops make (:class:`LiveBytes`, what a
+            fake-tensor profile counts too); ``"allocator"``: the allocator's own count, which
+            also sees what a kernel allocates and frees inside itself (on CPU the profiler's
+            memory events, ``torch.profiler.profile(profile_memory=True)``; on CUDA
+            ``torch.cuda.max_memory_allocated``): what the device holds.
     """
+    if by not in ("live", "allocator"):
+        raise ValueError(f"by must be 'live' or 'allocator', got {by!r}")
     accum = getattr(optimizer, "accum_steps", 1)
     inner = getattr(optimizer, "optimizer", optimizer)
-    before = storage_bytes(list(model.parameters()) + list(model.buffers())
-                           + [getattr(optimizer, "grad_buffer", None)]
-                           + [t for s in inner.state.values() for t in tree_flatten(s)[0]])
+
+    def before():
+        return storage_bytes(list(model.parameters()) + list(model.buffers())
+                             + [getattr(optimizer, "grad_buffer", None)]
+                             + [t for s in inner.state.values() for t in tree_flatten(s)[0]])
+
+    def window():
+        for _ in range(accum):
+            loss = step(model, batch)
+            loss.backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad()
+
+    if by == "allocator":
+        for _ in range(windows - 1):
+            window()
+        with _AllocatorPeak(next(iter(model.parameters())).device) as counted:
+            window()
+        return before() + counted.peak  # the optimizer state made in the first window included
+    existed = before()
     live = LiveBytes()
     with live:
         for w in range(windows):
             if w == windows - 1:
                 live.reset_peak()
-            for _ in range(accum):
-                loss = step(model, batch)
-                loss.backward()
-                del loss
-                optimizer.step()
-                optimizer.zero_grad()
-    return before + live.peak
+            window()
+    return existed + live.peak
+
+
+class _AllocatorPeak:
+    """The peak of the device allocator's count while entered, above its count on entry
+    (``peak``): CUDA's own statistics, or on CPU the running sum of the profiler's allocation
+    and free events (frees of blocks allocated before entry are not reported to it)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+            return False
+        self.prof.__exit__(*exc)
+        events = sorted((e.start_ns(), e.nbytes()) for e in self.prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]")
+        run = 0
+        for _, n in events:
+            run += n
+            self.peak = max(self.peak, run)
+        return False
 
 
 # -- which storages: a log of them, for what a forward leaves alive ---------------------------------

@@ -18,111 +18,40 @@ A Hugging Face causal LM's loss may be computed in chunks (``Fit.chunked_loss``,
 of gradaccel/memory/target.py) where its logits would set the peak. Any module whose blocks
 ``checkpoint_blocks`` finds can be fitted with ``make_batch`` and ``loss_fn``. Plans with
 ``offload=True`` (host memory for what the budget leaves out) are predicted the same way:
-proposed in ``Fit.options`` where they are faster, and the answer itself where only they fit.
+proposed in ``Fit.options`` where they are faster, and the answer itself where only they fit
+(never on a CPU device, where the host is the device). Which plan of those that fit is the
+answer, and why (``Fit.why``), is gradaccel/memory/fit_choice.py's; the answer itself
+(``Fit``: its table, ``apply`` and the checks it makes) is gradaccel/memory/fit_result.py's.
 The longest sequence that fits is gradaccel/memory/longest.py's (``max_seq``); the command line
 is gradaccel/memory/fit_cli.py's.
 """
 
 import contextlib
-import dataclasses
 import functools
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
-from gradaccel.accumulate.optimizer import FusedAccumOptimizer
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
-from gradaccel.memory import fit_table
 from gradaccel.memory.counter import check_count, parse_bytes
+from gradaccel.memory.fit_check import facts
+from gradaccel.memory.fit_choice import choose, faster_option
+from gradaccel.memory.fit_result import Fit
 from gradaccel.memory.fixed_parts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
                                           load_config, static_parts)
 from gradaccel.memory.presets import PRESETS
 from gradaccel.memory.parts import slices_of, structure_notes
 from gradaccel.memory.profile import Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute
-from gradaccel.memory.target import set_plans
 from gradaccel.memory import zero3 as _zero3
-from gradaccel.recompute import blocks as blocks_mod
 from gradaccel.recompute.trace import FLOPS_PER_BYTE
 
 __all__ = ["fit", "estimate", "Fit", "Planner", "PRESETS"]
 
+CPU_HOST = ("offload and inputs on the host are not offered: on a CPU device the host is the device, and bytes "
+            "moved there are not saved")
 
-
-# -- predicting one configuration ---------------------------------------------------------------
-@dataclasses.dataclass
-class Fit:
-    """A training configuration and its predicted peak. See :func:`fit`."""
-
-    seq: int
-    micro_batch: int
-    accum_steps: int
-    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint, or "parts" / "tiles:n"
-    kept: int  # bytes the blocks keep in total beyond their inputs
-    peak: int  # predicted peak of the step, slack excluded
-    parts: dict  # what the peak is made of (bytes)
-    phase: str
-    time: float  # predicted step time relative to the same micro-batch without checkpointing
-    recompute_flops: int  # per micro-batch
-    step_cost: float = 0.0  # planner's cost units per optimizer step (what the fit minimises)
-    memory: int | None = None  # the target, if fitted to one
-    slack: int = 0
-    fits: bool = True
-    suggestions: list = dataclasses.field(default_factory=list)
-    host: dict = dataclasses.field(default_factory=dict)  # bytes held in host memory, not in ``peak``
-    offload: bool = False  # the blocks run gradaccel.checkpoint(..., offload=True)
-    inputs_on_host: bool = False  # the blocks' inputs wait on the host (checkpoint_blocks(inputs_on_host=True))
-    chunked_loss: bool = False  # the LM loss in chunks, no whole logits made (gradaccel/memory/chunked_loss.py)
-    options: list = dataclasses.field(default_factory=list)  # other plans worth knowing (Fit each)
-    longer: tuple | None = None  # max_seq: (the first length found not to fit, its least predicted peak)
-    parts_notes: list = dataclasses.field(default_factory=list)  # how blocks run as parts (parts.structure_notes)
-    zero3: int | None = None  # DeepSpeed ZeRO-3 over this many ranks (gradaccel/memory/zero3.py)
-
-    def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
-        """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
-        must not be checkpointed already), computes its loss in chunks if ``chunked_loss``, and
-        wraps ``optimizer`` in a ``FusedAccumOptimizer`` of ``accum_steps`` (``kwargs`` go to it).
-        Returns both.
-
-        A training call at another sequence length than ``seq`` (same micro-batch) gets that
-        length's own plan, re-planned for the same target from the length profile
-        (gradaccel/memory/lengths.py: no fake-tensor run for lengths the fit profiled around, up to
-        ``seq``); a length past ``seq`` is profiled once on fake tensors (warned about).
-        Plans with offload or inputs on the host keep their budgets at every length. Under
-        ``zero3`` the optimizer is returned as it is: DeepSpeed accumulates (``accum_steps`` is its
-        ``gradient_accumulation_steps``) and holds the gradient."""
-        if self.chunked_loss and not install_head(model):
-            raise ValueError("this plan computes the loss in chunks (chunked_loss), which needs a Hugging Face "
-                             "causal LM with its stock loss")
-        blocks_mod.install(model, offload=self.offload, inputs_on_host=self.inputs_on_host)
-        blocks = find_blocks(model)
-        if len(blocks) != len(self.budgets):
-            raise ValueError(f"model has {len(blocks)} blocks, the fit was made for {len(self.budgets)}")
-        set_plans(model, blocks, self.chunked_loss, self.budgets)
-        planner = getattr(self, "_planner", None)  # set by Planner.fit; not a field (to_dict)
-        if planner is not None and not (self.offload or self.inputs_on_host) and self.memory is not None:
-            from gradaccel.memory.fit_lengths import FittedLengths
-
-            planner.lengths(self.seq, self.micro_batch, self.chunked_loss)  # profiled now, not mid-training
-            model.register_forward_pre_hook(FittedLengths(self, planner, blocks), with_kwargs=True)
-        if not isinstance(optimizer, FusedAccumOptimizer) and not self.zero3:
-            optimizer = FusedAccumOptimizer(optimizer, self.accum_steps, **kwargs)
-        return model, optimizer
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def table(self) -> str:
-        """The plan and its breakdown, as a readable table (gradaccel/memory/fit_table.py)."""
-        return fit_table.table(self)
-
-    def modes(self) -> str:
-        """Each block's plan, runs of equal plans together: "0-13: keep up to 1.00 KiB; 14-31: parts"."""
-        return fit_table.modes(self)
-
-    def summary(self) -> str:
-        """One line: micro-batch, offload, predicted device peak, host bytes and step time."""
-        return fit_table.summary(self)
 
 
 class Planner:
@@ -135,7 +64,7 @@ class Planner:
     """
 
     def __init__(self, model, optim="adamw", lora=None, load_in_4bit=False, dtype=torch.bfloat16,
-                 master_weights=False, make_batch=None, loss_fn=None, zero3=None):
+                 master_weights=False, make_batch=None, loss_fn=None, zero3=None, device=None):
         for name, fn in (("make_batch", make_batch), ("loss_fn", loss_fn)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a callable, got {type(fn).__name__}")
@@ -164,6 +93,11 @@ class Planner:
         if self.zero3:
             self.static = _zero3.sharded(self.static, self.model, find_blocks(self.model), self.zero3)
         self.load_in_4bit, self.lora = load_in_4bit, lora
+        self.made_for = facts(self)  # what apply() checks the model and optimizer against
+        if device is None:  # a real module's own device; a config's (fake weights): an accelerator
+            device = next((p.device for p in self.model.parameters() if not isinstance(p, FakeTensor)
+                           and not p.is_meta), None)
+        self.on_cpu = device is not None and torch.device(device).type == "cpu"
         self.profiles = {}
         self._lengths = {}
         self._kinds_at = {}  # block kinds predicted at one length, shared by the length profiles
@@ -242,43 +176,55 @@ class Planner:
         usable = memory - slack
         setup = self
         sizes = sorted(micro_batches or [d for d in range(1, batch + 1) if batch % d == 0])
+        # On a CPU device the host is the device: bytes moved to the host are not saved.
+        host_ok = not self.on_cpu
+        notes = [] if host_ok else [CPU_HOST]
 
-        def fitting(**how):  # the best plan at each micro-batch that fits, smallest first
+        def fitting(**how):  # the plans that fit at each micro-batch (either loss), smallest first
             out = []
             for mb in sizes:
-                r = _best_for(setup, seq, mb, batch, usable, **how)
-                if r is None:
+                plans = _plans_for(setup, seq, mb, batch, usable, **how)
+                if not plans:
                     break  # a larger micro-batch needs more
-                out.append(r)
+                out += plans
             return out
+
+        def answer(r):
+            r.memory, r.slack, r.notes, r._planner = memory, slack, notes, self
+            return r
 
         results = fitting()
         if results:
-            # Least predicted time per optimizer step; within 0.5%, the larger micro-batch.
-            least = min(r.step_cost for r in results)
-            best = max((r for r in results if r.step_cost <= least * 1.005), key=lambda r: r.micro_batch)
-            best.memory, best.slack = memory, slack
+            best = answer(choose(results))  # see gradaccel/memory/fit_choice.py
+            if not host_ok:
+                return best
             # Offload: what the budget leaves out goes to host memory where copying beats
             # recomputing; faster at the same device memory, or not at all (its own micro-batches:
             # offload never lowers the floor of a plan that keeps nothing).
             offloaded = [r for r in (_best_for(setup, seq, x.micro_batch, batch, usable, True, x.chunked_loss)
                                      for x in results) if r is not None and r.offload]
-            if offloaded:
-                off = min(offloaded, key=lambda r: r.step_cost)
-                if off.step_cost < best.step_cost * 0.995:
-                    off.memory, off.slack = memory, slack
-                    best.options.append(off)
             # Inputs on the host: more room for what the blocks keep, so maybe less recompute.
             parked = _best_for(setup, seq, best.micro_batch, batch, usable, chunked_loss=best.chunked_loss, host=True)
-            if parked is not None and parked.step_cost < best.step_cost * 0.995:
-                parked.memory, parked.slack = memory, slack
+            for option in [min(offloaded, key=lambda r: r.step_cost)] if offloaded else []:
+                if faster_option(option, best):
+                    best.options.append(option)
+            if parked is not None and faster_option(parked, best):
                 best.options.append(parked)
-            best._planner = self
+            for option in best.options:
+                option.memory, option.slack = memory, slack
+            if best.options:
+                best.why += ("; the options below are faster but hold host memory, which the fit uses only where no "
+                             "plan fits without it (fit.options[i].apply(model, optimizer) takes one)")
             return best
         # Nothing fits without offload. Where a plan with offload fits, it is the answer (what
         # apply() installs); otherwise the least this step can take, and what would fit.
+        worst = _least_either_loss(setup, seq, batch, False)
+        if not host_ok:
+            worst.memory, worst.slack, worst.fits, worst.notes = memory, slack, False, notes
+            worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit)
+            return worst
         fits = fitting(offload=True)
-        worst, offload = (_least_either_loss(setup, seq, batch, off) for off in (False, True))
+        offload = _least_either_loss(setup, seq, batch, True)
         if not fits and offload.offload and offload.peak <= usable:
             fits = [offload]  # the split's estimate missed it; the least-peak plan fits exactly
         parked = None
@@ -289,9 +235,7 @@ class Planner:
                 if parked.peak <= usable:
                     fits = [parked]
         if fits:
-            off = min(fits, key=lambda r: r.step_cost)
-            off.memory, off.slack, off._planner = memory, slack, self
-            return off
+            return answer(choose(fits))
         worst.memory, worst.slack, worst.fits = memory, slack, False
         worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
         if parked is not None and parked.peak < min(offload.peak, worst.peak):  # the least this step can take, and how
@@ -355,9 +299,13 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
     step = max(pred["peak"], st.step)
     head = setup.head_flops * micro_batch * seq if chunked_loss else 0  # each chunk's logits again
     recompute = sum(p.cost for p in points) + head
+    layout = setup.layout or range(len(prof.blocks))
+    measured = sum(p.copy for p in points)  # offload's copies and the inputs' are priced at a measured speed
     if host:  # the copies' time that the blocks' compute does not hide
-        recompute += prof.copy_exposed(setup.layout)
-    forward = sum(prof.kind_of[s].forward_cost for s in (setup.layout or range(len(prof.blocks))))
+        exposed = prof.copy_exposed(setup.layout)
+        recompute += exposed
+        measured += exposed
+    forward = sum(prof.kind_of[s].forward_cost for s in layout)
     fold = FLOPS_PER_BYTE["cpu"] * 10 * st.trainable  # reading a grad and updating the fp32 buffer
     base = 3 * forward + fold
     if st.ranks:
@@ -379,16 +327,15 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
     if offloaded:
         host["activations offloaded by the blocks"] = offloaded
     if host_inputs:
-        host["block inputs (inputs_on_host)"] = sum(prof.parked_bytes(s) for s in (setup.layout or range(len(prof.blocks))))
-    layout = setup.layout or range(len(prof.blocks))
+        host["block inputs (inputs_on_host)"] = sum(prof.parked_bytes(s) for s in layout)
     notes = list(dict.fromkeys(n for s, p in zip(layout, points) if slices_of(p.budget) > 0
                                for n in structure_notes(prof.blocks[s])))
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,
                sum(p.flops for p in points) + head,
-               (batch // micro_batch) * (base + recompute), host=host,
+               (batch // micro_batch) * (base + recompute), (batch // micro_batch) * measured, host=host,
                offload=bool(offloaded), chunked_loss=chunked_loss, inputs_on_host=host_inputs, parts_notes=notes,
-               zero3=setup.zero3)
+               made_for=setup.made_for, zero3=setup.zero3)
 
 
 def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
@@ -413,20 +360,24 @@ def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", l
         Fit: ``peak`` and ``parts`` (accumulation steps 1).
     """
     return Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch,
-                   loss_fn, zero3).estimate(seq, micro_batch, budget, offload, inputs_on_host)
+                   loss_fn, zero3=zero3).estimate(seq, micro_batch, budget, offload, inputs_on_host)
 
 
-def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, chunked_loss=None, host=False) -> Fit | None:
+def _plans_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, host=False) -> list:
+    """The fastest plans at this micro-batch that fit (:func:`_best_for`): with the model's loss,
+    and with the loss in chunks where the model allows it and the model's loss does not fit or
+    peaks at the loss."""
+    plain = _best_for(setup, seq, micro_batch, batch, usable, offload, False, host)
+    plans = [] if plain is None else [plain]
+    if setup.head_flops and (plain is None or plain.phase == "head"):
+        plans += [r for r in (_best_for(setup, seq, micro_batch, batch, usable, offload, True, host),) if r is not None]
+    return plans
+
+
+def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, chunked_loss=False, host=False) -> Fit | None:
     """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes (with
-    ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``). The loss in
-    chunks is tried (``chunked_loss`` None) where the model allows it and the plain loss does
-    not fit or peaks at the loss."""
-    if chunked_loss is None:
-        plain = _best_for(setup, seq, micro_batch, batch, usable, offload, False, host)
-        if not setup.head_flops or (plain is not None and plain.phase != "head"):
-            return plain
-        chunked = _best_for(setup, seq, micro_batch, batch, usable, offload, True, host)
-        return min((r for r in (plain, chunked) if r is not None), key=lambda r: r.step_cost, default=None)
+    ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``; ``chunked_loss``:
+    the loss in chunks; ``host``: the blocks' inputs on the host)."""
     prof = setup.profile(seq, micro_batch, chunked_loss)
     room = usable - setup.static.total - setup._dequantised(prof)  # for the step's activations
     if setup.static.step > room:
@@ -441,7 +392,7 @@ def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, ch
 
 def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_in_4bit=False,
         dtype=torch.bfloat16, master_weights=False, slack=None, micro_batches=None, make_batch=None,
-        loss_fn=None, zero3=None) -> Fit:
+        loss_fn=None, zero3=None, device=None) -> Fit:
     """The fastest way to train ``batch`` sequences of ``seq`` tokens per step in ``memory``.
 
     Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the
@@ -483,6 +434,10 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
             gradient partition and masters, and of the optimizer state, plus one block's weights
             gathered whole (or the embedding's or head's, where larger: gradaccel/memory/zero3.py);
             ``memory`` is one rank's device.
+        device: the device training runs on (``"cuda"``, ``"cpu"``, a ``torch.device``); default
+            a module's own, and an accelerator for a preset or a config. On a CPU device the
+            host is the device: plans with offload or the inputs on the host save nothing there,
+            and are not offered (``notes`` says so).
 
     Returns:
         Fit: micro-batch, accumulation steps, per-block budgets, predicted peak with its parts
@@ -494,7 +449,13 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
         fake tensors with a store that keeps host copies off the device. Where only a plan with
         offload fits, that plan is the answer itself (``offload`` True, ``fits`` True; what
         ``apply()`` installs). Where nothing fits, ``suggestions`` give the least plan with
-        offload (its device peak and host bytes, and by how much it is short).
+        offload (its device peak and host bytes, and by how much it is short). ``why`` says
+        what the answer was chosen over, and the reason (gradaccel/memory/fit_choice.py: the
+        least predicted time per optimizer step; within the noise of a measured copy speed,
+        the lower peak; within 0.5%, the larger micro-batch). ``apply()`` checks the model and
+        optimizer against what the plan was made for (``made_for``), and refuses a plan that
+        does not fit unless ``force=True``.
     """
-    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn, zero3)
+    planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn,
+                      zero3=zero3, device=device)
     return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)

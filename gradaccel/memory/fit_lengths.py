@@ -87,13 +87,21 @@ class FittedLengths:
             return [None] * len(bare)  # every block fits uncheckpointed: nothing to recompute
         fronts = planner.fronts(prof)
         points = least_recompute(prof, fronts, room, layout=planner.layout) if room > 0 else None
-        if points is None and hasattr(prof, "_source"):
+        if points is None and hasattr(prof, "_source") and room > 0:
             # The predicted profile offers the candidate plans fitted across lengths, fewer than a
-            # profile of this length: before going over the target, profile it (once).
+            # profile of this length. The plan of the next profiled length holds here too (the
+            # same ops on tensors no larger): where it fits there, it is the plan, with no run.
+            above = min((t for t in lp.profiles if t > length), default=None)
+            if above is not None:
+                top = lp.at(above)
+                kept = least_recompute(top, planner.fronts(top), room, layout=planner.layout)
+                if kept is not None:
+                    return [p.budget for p in kept]
+            # Else, before going over the target, profile this length itself (once).
             prof = planner.profile(length, fit.micro_batch, fit.chunked_loss)
             self.profiled.append(length)
             fronts = planner.fronts(prof)
-            points = least_recompute(prof, fronts, room, layout=planner.layout) if room > 0 else None
+            points = least_recompute(prof, fronts, room, layout=planner.layout)
         if points is None:
             points = least_peak(prof, fronts, planner.layout)
             least = planner.predict(prof, points)["peak"] + planner.static.total + fit.slack

@@ -52,6 +52,8 @@ def table(fit) -> str:
     width = max(len(name) for name, _ in rows + [("part", 0)])
     lines = head + [f"{'part':<{width}} {'bytes':>12}"]
     lines += [f"{name:<{width}} {format_bytes(value):>12}" for name, value in rows]
+    lines += [f"why: {fit.why}"] if fit.why else []
+    lines += [f"note: {n}" for n in fit.notes]
     lines += [f"advice: {s}" for s in fit.suggestions]
     lines += [f"option {k}: {summary(o)}; take it: plan.options[{k - 1}].apply(model, optimizer), "
               f"or --option {k} for its whole table" for k, o in enumerate(fit.options, 1)]

@@ -221,8 +221,8 @@ class LengthProfile:
         for j, kind in enumerate(base.kinds):
             ks = [p.kinds[j] for p in profs]
             graph = _Poly(lengths, [[s.nbytes for s in k.graph.storages] for k in ks])
-            # Ops priced by a formula are fitted; an op timed in its trace (one outside aten, or
-            # a metadata query such as prim.device) keeps the longest length's price.
+            # Ops priced by a formula are fitted; an op outside aten (priced by its time in a
+            # real trace, or by a bound) keeps the longest length's price.
             priced = [i for i, op in enumerate(kind.graph.ops) if op.priced == "formula"]
             flops = _Poly(lengths, [[k.graph.ops[i].flops for i in priced] for k in ks])
             cost = _Poly(lengths, [[int(k.graph.ops[i].cost) for i in priced] for k in ks])

@@ -37,7 +37,7 @@ from gradaccel.memory.counter import LiveBytes, Trajectory
 # of their own (gradaccel/memory/parts.py).
 from gradaccel.memory.parts import (PARTS, check_structure, has_parts, has_tiles, is_nested, is_parts, nested,
                                     set_parts, slice_counts, slices_of, tiles)
-from gradaccel.recompute.blocks import _find_blocks, _find_by_type, model_class
+from gradaccel.recompute.blocks import _find_blocks, _find_by_type, _find_checkpointed, model_class
 
 KEEP_ALL = "all"  # the plan of a block run without checkpointing
 RUNS = [0]  # fake-tensor profiles made in this process (one per Profile): what planning costs
@@ -75,13 +75,15 @@ def fake_copy(model: nn.Module, mode) -> nn.Module:
 
 
 def find_blocks(model: nn.Module) -> list:
-    """The blocks ``checkpoint_blocks`` would checkpoint, in forward order (as registered)."""
+    """The blocks ``checkpoint_blocks`` checkpoints, or would, in forward order (as registered):
+    a Hugging Face model's layers; else those it has checkpointed already (the ``block_types``
+    it was given, say); else the ones it would find itself."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:
         GradientCheckpointingLayer = None
     found = _find_by_type(model, [GradientCheckpointingLayer]) if GradientCheckpointingLayer is not None else []
-    return found or _find_blocks(model)
+    return found or _find_checkpointed(model) or _find_blocks(model)
 
 
 _ABSENT = object()
@@ -114,6 +116,7 @@ class Point:
     replay_bytes: int  # what replay holds at once (Plan.replay_peak: it lets go of each storage after its last read)
     plan: object
     host: int = 0  # bytes sent to host memory (checkpoint(..., offload=True)); not in ``kept``
+    copy: float = 0.0  # the part of ``cost`` that is those bytes' copies, priced at the measured copy speed
 
     @property
     def key(self):
@@ -159,7 +162,7 @@ class Kind:
             return self.plan_at(budget)
         copy = offload_cost_per_byte(copy_device(self.graph), self.graph.cost) * plan.offloaded_bytes
         return Point(budget, plan.kept_bytes, plan.cost + copy, plan.recompute_flops, plan.replay_peak, plan,
-                     host=plan.offloaded_bytes)
+                     host=plan.offloaded_bytes, copy=copy)
 
     @functools.cached_property
     def offload_frontier(self) -> list:

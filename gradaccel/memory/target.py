@@ -133,6 +133,7 @@ class MemoryTarget:
         self.lengths = {}  # structure key -> LengthProfile (gradaccel/memory/lengths.py)
         self.first = {}  # structure key -> the first length it was called at
         self.kinds_at = {}  # block kinds predicted at the length being planned (LengthProfile's shared)
+        self.above = {}  # (structure, profiled length, host) -> the plan there, for lengths just below it
         for b in blocks:
             install_parts(b)
             if seq is not None:  # lengths will vary: a block's region finds its size formulas when first traced
@@ -147,7 +148,7 @@ class MemoryTarget:
         # A copy of the model plans for itself. Its profiles hold fake copies of the model: a
         # deep copy would copy every one of them (and the profiler copies the model each run).
         new = copy.copy(self)
-        new.seen, new.chosen, new.lengths, new.first, new.kinds_at, new.hosts = {}, {}, {}, {}, {}, {}
+        new.seen, new.chosen, new.lengths, new.first, new.kinds_at, new.hosts, new.above = {}, {}, {}, {}, {}, {}, {}
         return new
 
     def __call__(self, module, args, kwargs):
@@ -197,8 +198,8 @@ class MemoryTarget:
     def _profile(self, module, args, kwargs, head, predict=True):
         """The step's profile at this call's length: predicted from the structure's profiles
         at other lengths (gradaccel/memory/lengths.py) where it can be, else a fake-tensor run."""
-        def run(a, kw):
-            return Profile(module, _step, (a, kw), grad_hooks=False, prepare=lambda m: set_head(m, head),
+        def run(a, kw, chunked=head):
+            return Profile(module, _step, (a, kw), grad_hooks=False, prepare=lambda m: set_head(m, chunked),
                            trajectories=True)
 
         length, structure = length_of(tree_flatten((args, kwargs))[0])
@@ -219,15 +220,17 @@ class MemoryTarget:
             lengths = profile_lengths(self.seq or self._ahead(max(length, first)))
             if lengths is None:
                 return run(args, kwargs)
-            try:
-                lp = LengthProfile(lambda t: run(*at_length((args, kwargs), length, t)), lengths, self.kinds_at)
-            except Exception as e:  # the model does not run at other lengths: per length, as before
-                lp = _Unprofiled(repr(e))
-            self.lengths[structure] = lp
-            if lp.failed is not None:
-                warnings.warn(f"gradaccel.checkpoint_blocks(memory=...): the step's profile is not predicted across "
-                              f"lengths ({lp.failed}); each new length is profiled on fake tensors.", UserWarning,
-                              stacklevel=5)
+            lp = self._range(structure, lengths, lambda t: run(*at_length((args, kwargs), length, t)))
+            for b in find_blocks(module):
+                # Lengths vary: a block region's size formulas are found when it is traced (now, at
+                # the start of training), not at its first other length, mid-training.
+                b._gradaccel_lengths = True
+            if not head and self.has_head and torch.is_tensor(kwargs.get("labels")) and \
+                    (structure[0], True) not in self.lengths:
+                # Ahead of need: the step with the loss in chunks (its own structure), which a length
+                # near the top of the range may need, is profiled with it, not at that length's step.
+                self._range((structure[0], True), lengths,
+                            lambda t: run(*at_length((args, kwargs), length, t), chunked=True))
         try:
             if lp.failed is None and not lp.covers(length):
                 self._past_seq(length)
@@ -238,6 +241,19 @@ class MemoryTarget:
         except Exception as e:  # noqa: BLE001 (a length the fit cannot predict: profiled itself)
             lp.failed = repr(e)
         return run(args, kwargs)
+
+    def _range(self, structure, lengths: list, make):
+        """The length profile of ``structure`` over ``lengths`` (``make(t)``: the profile at ``t``), kept."""
+        try:
+            lp = LengthProfile(make, lengths, self.kinds_at)
+        except Exception as e:  # the model does not run at other lengths: per length, as before
+            lp = _Unprofiled(repr(e))
+        self.lengths[structure] = lp
+        if lp.failed is not None:
+            warnings.warn(f"gradaccel.checkpoint_blocks(memory=...): the step's profile is not predicted across "
+                          f"lengths ({lp.failed}); each new length is profiled on fake tensors.", UserWarning,
+                          stacklevel=6)
+        return lp
 
     def _ahead(self, length: int) -> int:
         """How far to profile for data that has reached ``length``, without seq (see __init__)."""
@@ -324,7 +340,12 @@ class MemoryTarget:
         # its estimate did not: it is then the plan, without a warning.
         if not fitting and peak > self.memory and any(hasattr(t[0], "_source") for t in tried.values()):
             # A predicted profile offers fewer plans than a profile of this length (the candidates
-            # fitted across lengths): before going over the target, profile this length itself.
+            # fitted across lengths). The plan of the next profiled length holds here too (the
+            # same ops on tensors no larger): where it fits there, it is the plan, with no run.
+            # Else, before going over the target, profile this length itself, every candidate.
+            above = self._plan_above(module, args, kwargs, host, profiles)
+            if above is not None:
+                return above
             return self._plan_on(module, args, kwargs, False, host, profiles)
         settings = [_setting(p, prof.kind_of[i]) for i, p in enumerate(points)]
         if host:  # a block that keeps everything is still checkpointed: that is what parks its input
@@ -334,6 +355,21 @@ class MemoryTarget:
                                      ("nested", any(is_nested(s) for s in settings)), ("head", head),
                                      ("host", host)) if on)
         return (head, settings), (mode or "blocks", peak, floor), bool(fitting) or peak <= self.memory
+
+
+    def _plan_above(self, module, args, kwargs, host, profiles):
+        """:meth:`_plan_on`'s answer at the shortest profiled length above this call's (planned
+        there once, with that length's every candidate), where it fits; else None."""
+        length, structure = length_of(tree_flatten((args, kwargs))[0])
+        lp = self.lengths.get((structure, False))
+        above = min((t for t in getattr(lp, "profiles", ()) if t > length), default=None)
+        if above is None:
+            return None
+        key = (structure, above, host)
+        if key not in self.above:
+            self.above[key] = self._plan_on(module, *at_length((args, kwargs), length, above), True, host, profiles)
+        plan, chosen, fits = self.above[key]
+        return (plan, chosen, fits) if fits else None
 
 
 def _key(args, kwargs) -> tuple:

@@ -292,6 +292,11 @@ def _find_by_type(model, block_types):
     return found
 
 
+def _find_checkpointed(model):
+    """The blocks :func:`install` swapped into its checkpointed subclass, in order."""
+    return [m for m in model.modules() if getattr(type(m), "_gradaccel_subclass", None) is not None]
+
+
 def _find_blocks(model):
     """The blocks: the entries of every ``nn.ModuleList`` of one class, for the class whose
     lists hold the most parameters (then the most entries). Every list of that class counts, so

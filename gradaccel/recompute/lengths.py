@@ -233,9 +233,9 @@ class _SymbolicGraph(Graph):
 
 
 class _SymbolicRecorder(Recorder):
-    """The tracer, minus what only symbolic sizes dispatch: the ``prim`` ops that fake tensors
-    run for metadata, and full slices (``x[:, :, None]``), which indexing skips on real tensors
-    but cannot prove full on symbolic ones. Each is a no-op for replay.
+    """The tracer (which skips the ``prim`` ops that fake tensors run for metadata), minus what
+    only symbolic sizes dispatch: full slices (``x[:, :, None]``), which indexing skips on real
+    tensors but cannot prove full on symbolic ones. Each is a no-op for replay.
 
     An op from outside aten takes from the template (``like``, the traced graph) what its fake
     kernel cannot know: its outputs' dtypes (a kernel whose own aten ops autocast casts returns
@@ -281,8 +281,6 @@ class _SymbolicRecorder(Recorder):
             # autocast(cache_enabled=True)): the fake result would be cached for the real forward
             # to read. Raised before it is: this region is traced per size (analyse returns None).
             raise RuntimeError("gradaccel: autocast would cache a cast made on fake tensors")
-        if getattr(func, "namespace", "") == "prim":
-            return func(*args, **(kwargs or {}))
         if func is torch.ops.aten.slice.Tensor:
             out = func(*args, **(kwargs or {}))
             if _same_geometry(out, args[0]):

@@ -14,6 +14,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -242,7 +243,9 @@ class Graph:
             self._new_value(s, op_id)
         if random:
             self._new_value(Graph.RNG, op_id)
-        on_cpu = all(o.device.type == "cpu" for o in out_leaves if isinstance(o, torch.Tensor))
+        # A fake tensor's time is the fake kernel's Python, not the op's: no price.
+        on_cpu = all(o.device.type == "cpu" and not isinstance(o, FakeTensor) for o in out_leaves
+                     if isinstance(o, torch.Tensor))
         flops, priced = _flops(func, args, kwargs, out, seconds if on_cpu else None)
         device = next((r.device for r in refs if isinstance(r, Ref)), torch.device("cpu"))
         cost = price(self.cost, OpCost(str(func), flops, nbytes, device), seconds)
@@ -457,6 +460,10 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "namespace", "") == "prim":
+            # Metadata queries (prim.device) that only fake tensors dispatch: no op of the real
+            # call, and timing them would price the planner's noise (a fit on fake tensors).
+            return func(*args, **kwargs)
         measured = isinstance(self.graph.cost, str) and self.graph.cost == "measured"
         foreign = is_foreign(func)
         if self.paused or (not measured and not foreign):

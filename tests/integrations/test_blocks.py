@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import gradaccel
 from gradaccel import checkpoint_blocks
 
 BUDGETS = [None, 0.0, 0.5, 1.0, 4096]
@@ -371,3 +372,55 @@ def test_blocks_in_stages_are_all_found():
     model = checkpoint_blocks(Staged())
     assert [_is_checkpointed(b) for stage in model.stages for b in stage] == [True] * 4
     assert not any(_is_checkpointed(stage) for stage in model.stages)
+
+
+class _Experts(torch.nn.Module):
+    """Repeated blocks that are not the largest ModuleList: a bank of wide linear layers (more
+    parameters than the blocks) applied to the blocks' output."""
+
+    def __init__(self, width=32, layers=3):
+        from _models import PlainBlock  # here: this file also runs as a script under torchrun
+
+        super().__init__()
+        self.layers = torch.nn.ModuleList(PlainBlock(width, 4) for _ in range(layers))
+        self.bank = torch.nn.ModuleList(torch.nn.Linear(width, 16 * width) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return sum(b(x[:, :4]).square().mean() for b in self.bank)
+
+
+def test_memory_plans_the_block_types_it_checkpoints():
+    """checkpoint_blocks(block_types=..., memory=...) on a plain model whose repeated blocks are not
+    its largest ModuleList: the plan covers the blocks it checkpoints (their budgets set, the
+    profile's blocks are theirs), the measured step stays under the target, gradients are stock's."""
+    from gradaccel.memory.counter import LiveBytes
+    from gradaccel.memory.profile import find_blocks
+    from gradaccel.memory.target import MemoryTarget
+
+    gradaccel.reset_plans()
+    torch.manual_seed(0)
+    ref = _Experts()
+    model = copy.deepcopy(ref)
+    x = torch.randn(2, 64, 32)
+    plain = _Experts()
+    assert find_blocks(plain) == list(plain.bank)  # what it finds unaided: the largest list
+    with LiveBytes() as live:
+        ref(x).backward()
+    memory = int(0.75 * live.peak)
+    gradaccel.checkpoint_blocks(model, block_types=type(model.layers[0]), memory=memory)
+    assert find_blocks(model) == list(model.layers)
+    target = next(h for h in model._forward_pre_hooks.values() if isinstance(h, MemoryTarget))
+    model(x).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    (mode, peak, _), = target.chosen.values()
+    assert peak <= memory, target.chosen
+    # The plan is on the checkpointed blocks: each holds the budget memory= chose, the bank nothing.
+    assert all("_gradaccel_budget" in vars(b) or vars(b).get("_gradaccel_fine") for b in model.layers)
+    assert not any(k.startswith("_gradaccel") for b in model.bank for k in vars(b))
+    model.zero_grad(set_to_none=True)
+    with LiveBytes() as live:
+        model(x).backward()
+    assert live.peak <= memory, (live.peak, memory)
