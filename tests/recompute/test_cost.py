@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import gradaccel
 from _models import Block, GPTConfig
+from gradaccel.recompute import offload
 from gradaccel.recompute.cost import OpCost, price
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.checkpoint import plan_rows, reset_plans
@@ -120,7 +121,7 @@ def test_offload_copies_are_priced_in_the_cost_models_units():
     plan_module = sys.modules["gradaccel.recompute.plan"]
     cpu = torch.device("cpu")
     assert plan_module.offload_cost_per_byte(cpu, cost) == 3.0
-    d2h, h2d = gradaccel.recompute.offload.copy_bandwidth(cpu)
+    d2h, h2d = offload.copy_bandwidth(cpu)
     assert plan_module.offload_cost_per_byte(cpu, "measured") == pytest.approx(1 / d2h + 1 / h2d)
     # Ops at one unit each, copies at 3 a byte: nothing is worth sending to host.
     block, x = _block(), torch.randn(2, 16, 32, requires_grad=True)
