@@ -56,6 +56,7 @@ from gradaccel.memory.parts import install_parts, is_nested, set_parts, slices_o
 from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
 from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute, uncheckpointed
+from gradaccel.recompute import compiled
 
 __all__ = ["MemoryTarget", "set_plans"]
 
@@ -126,6 +127,7 @@ class MemoryTarget:
         self.seen = {}
         self.chosen = {}
         self.hosts = {}  # input signature -> whether its plan has the inputs on the host
+        self.policies = {}  # input signature -> per block, its plan's policy under torch.compile (or None)
         self.lengths = {}  # structure key -> LengthProfile (gradaccel/memory/lengths.py)
         self.first = {}  # structure key -> the first length it was called at
         self.kinds_at = {}  # block kinds predicted at the length being planned (LengthProfile's shared)
@@ -144,9 +146,14 @@ class MemoryTarget:
         # deep copy would copy every one of them (and the profiler copies the model each run).
         new = copy.copy(self)
         new.seen, new.chosen, new.lengths, new.first, new.kinds_at, new.hosts = {}, {}, {}, {}, {}, {}
+        new.policies = {}
         return new
 
     def __call__(self, module, args, kwargs):
+        return self._prepare(module, args, kwargs, torch.compiler.is_compiling())
+
+    @torch._disable_dynamo  # under torch.compile it runs eagerly (a graph break before the model's first op)
+    def _prepare(self, module, args, kwargs, compiling):
         if getattr(_busy, "on", False) or not (module.training and torch.is_grad_enabled()):
             return None
 
@@ -173,12 +180,12 @@ class MemoryTarget:
             finally:
                 _busy.on = False
                 torch.clear_autocast_cache()
-            for cache in (self.seen, self.chosen, self.hosts):  # one entry per length seen: the oldest go first
+            for cache in (self.seen, self.chosen, self.hosts, self.policies):  # one per length seen: the oldest go first
                 while len(cache) > SEEN:
                     cache.pop(next(iter(cache)))
         head, settings = self.seen[key]
         host = self.hosts.get(key, False)
-        if start:
+        if start and not compiling:
             # A block that needs no checkpoint at this length runs this one call checkpointed
             # (a byte budget, as memory= sets them, that keeps everything): its region is traced,
             # with its size formulas, now, not at the first length that needs a checkpoint, in
@@ -186,6 +193,9 @@ class MemoryTarget:
             settings = [_EVERYTHING if s is None else s for s in settings]
         # The loss computed outside the model (no labels): logits as they are.
         self._set(module, blocks, head and kwargs.get("labels") is not None, settings, host)
+        if compiling:  # each block's plan as compile runs it; dynamo guards on these objects
+            for block, policy in zip(blocks, self.policies.get(key) or [None] * len(blocks)):
+                block._gradaccel_policy = policy
         return None
 
     def _profile(self, module, args, kwargs, head, predict=True):
@@ -255,11 +265,11 @@ class MemoryTarget:
         """``((head, settings), (mode, peak, floor))`` for this call, the inputs on the host
         (``hosts``) where the user asked, or where only then a plan fits."""
         host = self.inputs_on_host
-        plan, chosen, fits = self._plan(module, args, kwargs, predict, host)
+        plan, chosen, fits, policies = self._plan(module, args, kwargs, predict, host)
         if not fits and not host:
             parked = self._plan(module, args, kwargs, predict, True)
             if parked[2] or parked[1][1] < chosen[1]:
-                plan, chosen, fits = parked
+                plan, chosen, fits, policies = parked
                 host = True
         if not fits:
             peak = chosen[1]
@@ -268,10 +278,12 @@ class MemoryTarget:
                           f"{peak - self.memory} bytes) at input shape {_key(args, kwargs)}; using that plan. "
                           "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
         self.hosts[_key(args, kwargs)] = host
+        self.policies[_key(args, kwargs)] = policies
         return plan, chosen
 
     def _plan(self, module, args, kwargs, predict, host):
-        """``((head, settings), (mode, peak, floor), fits)`` with the inputs on the host or not."""
+        """``((head, settings), (mode, peak, floor), fits, policies)`` with the inputs on the host or
+        not; ``policies``: per block, what its plan keeps, for compiled calls (gradaccel/recompute/compiled.py)."""
         profiles = []
         try:
             return self._plan_on(module, args, kwargs, predict, host, profiles)
@@ -325,7 +337,9 @@ class MemoryTarget:
         mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", max(used, default=1) > 1),
                                      ("nested", any(is_nested(s) for s in settings)), ("head", head),
                                      ("host", host)) if on)
-        return (head, settings), (mode or "blocks", peak, floor), bool(fitting) or peak <= self.memory
+        policies = [compiled.policy_of(p.plan) if isinstance(st, int) and getattr(p, "plan", None) is not None else None
+                    for st, p in zip(settings, points)]
+        return (head, settings), (mode or "blocks", peak, floor), bool(fitting) or peak <= self.memory, policies
 
 
 def _key(args, kwargs) -> tuple:
