@@ -128,6 +128,7 @@ class MemoryTarget:
         self.chosen = {}
         self.hosts = {}  # input signature -> whether its plan has the inputs on the host
         self.policies = {}  # input signature -> per block, its plan's policy under torch.compile (or None)
+        self.longest = 0  # the longest length seen (under torch.compile, every length runs its plan)
         self.lengths = {}  # structure key -> LengthProfile (gradaccel/memory/lengths.py)
         self.first = {}  # structure key -> the first length it was called at
         self.kinds_at = {}  # block kinds predicted at the length being planned (LengthProfile's shared)
@@ -146,7 +147,7 @@ class MemoryTarget:
         # deep copy would copy every one of them (and the profiler copies the model each run).
         new = copy.copy(self)
         new.seen, new.chosen, new.lengths, new.first, new.kinds_at, new.hosts = {}, {}, {}, {}, {}, {}
-        new.policies = {}
+        new.policies, new.longest = {}, 0
         return new
 
     def __call__(self, module, args, kwargs):
@@ -157,6 +158,8 @@ class MemoryTarget:
         if getattr(_busy, "on", False) or not (module.training and torch.is_grad_enabled()):
             return None
 
+        if compiling:  # the plan of the longest length the compiled graph serves (see _longest)
+            args, kwargs = self._longest(args, kwargs)
         key = _key(args, kwargs)
         blocks = find_blocks(module)
         start = False
@@ -197,6 +200,19 @@ class MemoryTarget:
             for block, policy in zip(blocks, self.policies.get(key) or [None] * len(blocks)):
                 block._gradaccel_policy = policy
         return None
+
+    def _longest(self, args, kwargs):
+        """Under torch.compile: the call at the longest length a compiled graph serves (``seq``,
+        else the longest seen so far), whose plan every length runs. What a plan keeps shrinks
+        with the length, so the target holds at every shorter one, and one graph serves them all
+        (with dynamic shapes): compile recompiles no more often than without gradaccel, where a
+        plan per length would recompile at each length whose plan differs."""
+        length, _ = length_of(tree_flatten((args, kwargs))[0])
+        if length is None:
+            return args, kwargs
+        self.longest = max(self.longest, length)
+        top = max(self.seq or 0, self.longest)
+        return (args, kwargs) if top == length else at_length((args, kwargs), length, top)
 
     def _profile(self, module, args, kwargs, head, predict=True):
         """The step's profile at this call's length: predicted from the structure's profiles

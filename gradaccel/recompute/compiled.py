@@ -3,7 +3,7 @@
 Eagerly, a region's plan runs through saved-tensor hooks and a replay of gradaccel's own
 (gradaccel/recompute/frames.py), which dynamo cannot trace. Under ``torch.compile`` the region
 runs instead as ``torch.utils.checkpoint`` with a selective-checkpoint policy made from the
-plan: an op that makes a tensor the plan keeps is ``MUST_SAVE``, every other op
+plan: an op whose activations the plan keeps is ``MUST_SAVE``, every other op
 ``PREFER_RECOMPUTE``. Dynamo turns the call into its checkpoint higher-order op, AOTAutograd
 asks the policy about each op of the region and tags its nodes, and the partitioner saves the
 tagged outputs that backward needs and recomputes the rest inside the backward graph. So the
@@ -110,6 +110,10 @@ class Policy:
 
 
 _INTERNED: dict = {}
+# Norms that inductor decomposes: kept, every node of the decomposition is kept with them, and
+# their backward then holds the normalized input as well (a hidden state the plan does not count,
+# measured). Recomputed instead, from the region's input: a fused kernel in backward.
+_NORMS = frozenset({"aten.native_layer_norm.default", "aten.native_group_norm.default"})
 
 
 def _intern(decisions: tuple) -> Policy:
@@ -136,8 +140,13 @@ def policy_of(plan):
     for op in graph.ops:
         if isinstance(op.func, Opaque):  # a split-off submodule: compile runs its own checkpoint
             continue
+        # Compile saves an op's outputs together: kept where the plan keeps all it makes that
+        # backward holds (native_layer_norm's statistics without its output: recomputed whole).
+        made = [s for s, _ in op.new_storages if s in activations]
         key = (str(op.func), _signature(op.leaves))
-        decisions.setdefault(key, []).append(any(s in kept for s, _ in op.new_storages))
+        decisions.setdefault(key, []).append(bool(made) and all(s in kept for s in made) and key[0] not in _NORMS)
+    if not any(any(v) for v in decisions.values()):
+        return RECOMPUTE_ALL
     return _intern(tuple(sorted(((k, tuple(v)) for k, v in decisions.items()), key=repr)))
 
 
