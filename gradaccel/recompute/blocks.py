@@ -31,7 +31,8 @@ _SUBCLASSES = {}
 
 
 def _checkpointed_forward(self, *args, **kwargs):
-    forward = super(type(self)._gradaccel_subclass, self).forward
+    # super(subclass, self).forward, in a form dynamo traces as a method (it reads the module it runs on)
+    forward = type(self)._gradaccel_subclass.__mro__[1].forward.__get__(self)
     # Eval, no_grad and inference need no backward, so nothing to recompute: run as is (this also
     # keeps a KV cache that a recompute would otherwise update twice).
     if not (self.training and torch.is_grad_enabled()) or self.__dict__.get("_gradaccel_fine"):

@@ -145,9 +145,12 @@ def policy_of(plan):
         made = [s for s, _ in op.new_storages if s in activations]
         key = (str(op.func), _signature(op.leaves))
         decisions.setdefault(key, []).append(bool(made) and all(s in kept for s in made) and key[0] not in _NORMS)
-    if not any(any(v) for v in decisions.values()):
+    # Only what keeps something, up to its last kept occurrence: an op not listed is recomputed,
+    # so plans that keep the same ops are the same policy (a fake trace has prim.device calls).
+    kept_ops = {k: tuple(v[:max(i for i, keep in enumerate(v) if keep) + 1]) for k, v in decisions.items() if any(v)}
+    if not kept_ops:
         return RECOMPUTE_ALL
-    return _intern(tuple(sorted(((k, tuple(v)) for k, v in decisions.items()), key=repr)))
+    return _intern(tuple(sorted(kept_ops.items(), key=repr)))
 
 
 def _key(func, budget, preserve_rng_state, cost) -> tuple:
