@@ -183,7 +183,7 @@ class MemoryTarget:
             finally:
                 _busy.on = False
                 torch.clear_autocast_cache()
-            for cache in (self.seen, self.chosen, self.hosts, self.policies):  # one per length seen: the oldest go first
+            for cache in (self.seen, self.chosen, self.hosts, self.policies):  # one per length: the oldest go first
                 while len(cache) > SEEN:
                     cache.pop(next(iter(cache)))
         head, settings = self.seen[key]

@@ -12,15 +12,17 @@ compiled graph keeps what the plan keeps, with compile's kernels, and no graph b
 Where a region's plan comes from:
 
 - a budget (``gradaccel.checkpoint(..., budget=)``, ``checkpoint_blocks(model, budget=)``,
-  Hugging Face checkpointing through ``gradaccel.hf``): the first call of the region under
-  compile has no plan yet, so it runs eagerly (one graph break) and is traced and planned there
-  exactly as in eager mode. Its policy is remembered on the callable's owner (the module), where
-  dynamo reads it and guards on it: the next call compiles the region with it. A plan made by an
-  eager call before compiling serves too.
+  Hugging Face checkpointing through ``gradaccel.hf``): while dynamo traces the region for the
+  first time, :func:`prepare` traces it with gradaccel's own tracer and plans it with the same
+  planner at the same budget, on fake tensors shaped as dynamo's (``torch._dynamo.comptime``:
+  Python that runs at trace time only). The policy is kept on the callable's owner (the
+  module), where dynamo reads it and guards on it. A plan made by an eager call of the region
+  serves as well. A region that cannot be planned so (it reads tensor data into Python, or its
+  arguments cannot be read back) runs eagerly, a graph break, as before compile (warned).
 - ``checkpoint_blocks(model, memory=...)``: the target's forward pre-hook runs eagerly (a graph
-  break before the model's first op) and plans every input shape as in eager mode; under compile
-  it hands each block the policy of its plan at that shape (``_gradaccel_policy``, read by
-  gradaccel/recompute/blocks.py).
+  break before the model's first op) and plans as in eager mode; under compile it hands each
+  block the policy of its plan (``_gradaccel_policy``, read by gradaccel/recompute/blocks.py), at
+  the longest length the compiled graph serves (gradaccel/memory/target.py).
 
 Policies are interned by content: two plans that keep the same ops are one policy object, so a
 new length whose plan keeps what the last one kept passes dynamo's guards and reuses its graph
@@ -46,7 +48,8 @@ from gradaccel.recompute.frames import TraceFrame
 from gradaccel.recompute.plan import Planner, capture_rng, rng_state_bytes
 from gradaccel.recompute.trace import DataReads, Graph, Opaque, Ref
 
-__all__ = ["Policy", "policy_of", "owner_of", "find", "remember", "prepare", "run", "block_policy", "KEEP_ALL", "RECOMPUTE_ALL"]
+__all__ = ["Policy", "policy_of", "owner_of", "find", "remember", "prepare", "plan_on_fakes", "run", "block_policy",
+           "KEEP_ALL", "RECOMPUTE_ALL"]
 
 KEEP_ALL = "keep all"  # the plan keeps every activation: the region runs without a checkpoint
 RECOMPUTE_ALL = "recompute all"  # keeps none: plain torch.utils.checkpoint
@@ -71,11 +74,11 @@ class Policy:
     for it. Immutable and interned (:func:`policy_of`): equal plans give the same object.
 
     Attributes:
-        decisions: ``(op name, argument ranks and dtypes) -> (keep?, ...)``, one entry per
-            occurrence of such an op in the region, in order.
+        decisions: ``(op name, rank and dtype of its first tensor argument) -> (keep?, ...)``,
+            per occurrence of such an op in the region, in order, up to the last one kept.
     """
 
-    __slots__ = ("decisions", "__weakref__")
+    __slots__ = ("decisions",)
 
     def __init__(self, decisions: tuple):
         self.decisions = dict(decisions)
@@ -365,7 +368,8 @@ def _fake_parameters(module, mode):
                         continue
                     if id(t) not in fakes:
                         f = mode.from_tensor(t.detach())
-                        fakes[id(t)] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
+                        is_param = isinstance(t, torch.nn.Parameter)
+                        fakes[id(t)] = torch.nn.Parameter(f, t.requires_grad) if is_param else f
                     swapped.append((table, name, t))
                     table[name] = fakes[id(t)]
     try:

@@ -77,7 +77,8 @@ def test_hf_enable_under_trainer_torch_compile():
 
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     trainer(ref, "stock").train()
-    t = trainer(model, "gradaccel", torch_compile=True, torch_compile_backend="aot_eager", activation_checkpointing=True)
+    t = trainer(model, "gradaccel", torch_compile=True, torch_compile_backend="aot_eager",
+                activation_checkpointing=True)
     gradaccel.hf.enable(t, budget=0.5)
     torch._dynamo.reset()
     counters.clear()
