@@ -17,7 +17,7 @@
 # GPU the limits add up to 580 s (build 150, tests 170, wgrad 45, bench 110, lengths 55, host 50).
 #
 # The frontier suite's compiled case (torch.compile on both sides: compile's budgets against
-# gradaccel's plans run by compile, issue 39) has cold inductor compiles, ten of them: it is a
+# gradaccel's plans run by compile, issue 39) has cold inductor compiles, seven of them: it is a
 # call of its own, after the one above on the same warm machine (the build is kept), or alone on
 # a fresh one (it builds first; limits 150 + 420 s). Back: frontier_compiled.log, frontier.json,
 # frontier_compiled.png.
