@@ -32,10 +32,10 @@ import functools
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint as _tc
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from gradaccel.recompute import compiled
 from gradaccel.recompute.blocks import model_class
 
 __all__ = ["has_parts", "has_tiles", "install_parts", "set_parts", "slice_counts", "slices_of", "tiles",
@@ -133,9 +133,9 @@ def _part_forward(module, *args, **kwargs):
         # A token-wise part (an MLP, with its norm if joined): each slice of tokens is its own
         # checkpoint, so backward rebuilds one slice's intermediates at a time. Outputs are
         # the same rows, concatenated; weight gradients sum over the slices.
-        return torch.cat([_tc.checkpoint(forward, x, use_reentrant=False)
+        return torch.cat([compiled.run(forward, (x,), {}, compiled.RECOMPUTE_ALL)
                           for x in args[0].chunk(tiles_n, dim=-2)], dim=-2)
-    return _tc.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return compiled.run(forward, args, kwargs, compiled.RECOMPUTE_ALL)  # torch.utils.checkpoint, also under compile
 
 
 def _token_wise(module: nn.Module) -> bool:

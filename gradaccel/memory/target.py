@@ -57,6 +57,7 @@ from gradaccel.memory.parts import install_parts, is_nested, set_parts, slices_o
 from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
 from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute, uncheckpointed
+from gradaccel.recompute import compiled
 
 __all__ = ["MemoryTarget", "set_plans"]
 
@@ -130,6 +131,8 @@ class MemoryTarget:
         self.seen = {}
         self.chosen = {}
         self.hosts = {}  # input signature -> whether its plan has the inputs on the host
+        self.policies = {}  # input signature -> per block, its plan's policy under torch.compile (or None)
+        self.longest = 0  # the longest length seen (under torch.compile, every length runs its plan)
         self.lengths = {}  # structure key -> LengthProfile (gradaccel/memory/lengths.py)
         self.first = {}  # structure key -> the first length it was called at
         self.kinds_at = {}  # block kinds predicted at the length being planned (LengthProfile's shared)
@@ -149,12 +152,19 @@ class MemoryTarget:
         # deep copy would copy every one of them (and the profiler copies the model each run).
         new = copy.copy(self)
         new.seen, new.chosen, new.lengths, new.first, new.kinds_at, new.hosts, new.above = {}, {}, {}, {}, {}, {}, {}
+        new.policies, new.longest = {}, 0
         return new
 
     def __call__(self, module, args, kwargs):
+        return self._prepare(module, args, kwargs, torch.compiler.is_compiling())
+
+    @torch._disable_dynamo  # under torch.compile it runs eagerly (a graph break before the model's first op)
+    def _prepare(self, module, args, kwargs, compiling):
         if getattr(_busy, "on", False) or not (module.training and torch.is_grad_enabled()):
             return None
 
+        if compiling:  # the plan of the longest length the compiled graph serves (see _longest)
+            args, kwargs = self._longest(args, kwargs)
         key = _key(args, kwargs)
         blocks = find_blocks(module)
         if self.gathered is None:
@@ -180,12 +190,12 @@ class MemoryTarget:
             finally:
                 _busy.on = False
                 torch.clear_autocast_cache()
-            for cache in (self.seen, self.chosen, self.hosts):  # one entry per length seen: the oldest go first
+            for cache in (self.seen, self.chosen, self.hosts, self.policies):  # one per length: the oldest go first
                 while len(cache) > SEEN:
                     cache.pop(next(iter(cache)))
         head, settings = self.seen[key]
         host = self.hosts.get(key, False)
-        if start:
+        if start and not compiling:
             # A block that needs no checkpoint at this length runs this one call checkpointed
             # (a byte budget, as memory= sets them, that keeps everything): its region is traced,
             # with its size formulas, now, not at the first length that needs a checkpoint, in
@@ -193,7 +203,23 @@ class MemoryTarget:
             settings = [_EVERYTHING if s is None else s for s in settings]
         # The loss computed outside the model (no labels): logits as they are.
         self._set(module, blocks, head and kwargs.get("labels") is not None, settings, host)
+        if compiling:  # each block's plan as compile runs it; dynamo guards on these objects
+            for block, policy in zip(blocks, self.policies.get(key) or [None] * len(blocks)):
+                block._gradaccel_policy = policy
         return None
+
+    def _longest(self, args, kwargs):
+        """Under torch.compile: the call at the longest length a compiled graph serves (``seq``,
+        else the longest seen so far), whose plan every length runs. What a plan keeps shrinks
+        with the length, so the target holds at every shorter one, and one graph serves them all
+        (with dynamic shapes): compile recompiles no more often than without gradaccel, where a
+        plan per length would recompile at each length whose plan differs."""
+        length, _ = length_of(tree_flatten((args, kwargs))[0])
+        if length is None:
+            return args, kwargs
+        self.longest = max(self.longest, length)
+        top = max(self.seq or 0, self.longest)
+        return (args, kwargs) if top == length else at_length((args, kwargs), length, top)
 
     def _profile(self, module, args, kwargs, head, predict=True):
         """The step's profile at this call's length: predicted from the structure's profiles
@@ -277,11 +303,11 @@ class MemoryTarget:
         """``((head, settings), (mode, peak, floor))`` for this call, the inputs on the host
         (``hosts``) where the user asked, or where only then a plan fits."""
         host = self.inputs_on_host
-        plan, chosen, fits = self._plan(module, args, kwargs, predict, host)
+        plan, chosen, fits, policies = self._plan(module, args, kwargs, predict, host)
         if not fits and not host:
             parked = self._plan(module, args, kwargs, predict, True)
             if parked[2] or parked[1][1] < chosen[1]:
-                plan, chosen, fits = parked
+                plan, chosen, fits, policies = parked
                 host = True
         if not fits:
             peak = chosen[1]
@@ -290,10 +316,12 @@ class MemoryTarget:
                           f"{peak - self.memory} bytes) at input shape {_key(args, kwargs)}; using that plan. "
                           "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
         self.hosts[_key(args, kwargs)] = host
+        self.policies[_key(args, kwargs)] = policies
         return plan, chosen
 
     def _plan(self, module, args, kwargs, predict, host):
-        """``((head, settings), (mode, peak, floor), fits)`` with the inputs on the host or not."""
+        """``((head, settings), (mode, peak, floor), fits, policies)`` with the inputs on the host or
+        not; ``policies``: per block, what its plan keeps, for compiled calls (gradaccel/recompute/compiled.py)."""
         profiles = []
         try:
             return self._plan_on(module, args, kwargs, predict, host, profiles)
@@ -354,8 +382,9 @@ class MemoryTarget:
         mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", max(used, default=1) > 1),
                                      ("nested", any(is_nested(s) for s in settings)), ("head", head),
                                      ("host", host)) if on)
-        return (head, settings), (mode or "blocks", peak, floor), bool(fitting) or peak <= self.memory
-
+        policies = [compiled.policy_of(p.plan) if isinstance(st, int) and getattr(p, "plan", None) is not None else None
+                    for st, p in zip(settings, points)]
+        return (head, settings), (mode or "blocks", peak, floor), bool(fitting) or peak <= self.memory, policies
 
     def _plan_above(self, module, args, kwargs, host, profiles):
         """:meth:`_plan_on`'s answer at the shortest profiled length above this call's (planned
@@ -368,8 +397,8 @@ class MemoryTarget:
         key = (structure, above, host)
         if key not in self.above:
             self.above[key] = self._plan_on(module, *at_length((args, kwargs), length, above), True, host, profiles)
-        plan, chosen, fits = self.above[key]
-        return (plan, chosen, fits) if fits else None
+        answer = self.above[key]  # ((head, settings), (mode, peak, floor), fits, policies)
+        return answer if answer[2] else None
 
 
 def _key(args, kwargs) -> tuple:

@@ -21,6 +21,7 @@ import torch.nn as nn
 # The budget rule is gradaccel.checkpoint's own, checked here too so that a bad value fails at
 # set-up rather than in the middle of the first training step.
 from gradaccel.ops import extension
+from gradaccel.recompute import compiled
 from gradaccel.recompute.checkpoint import _check_budget, _checkpoint, check_cost
 from gradaccel.recompute.host_inputs import run_parked
 from gradaccel.recompute.report import remember_model
@@ -32,12 +33,16 @@ _SUBCLASSES = {}
 
 
 def _checkpointed_forward(self, *args, **kwargs):
-    forward = super(type(self)._gradaccel_subclass, self).forward
+    # super(subclass, self).forward, in a form dynamo traces as a method (it reads the module it runs on)
+    forward = type(self)._gradaccel_subclass.__mro__[1].forward.__get__(self)
     # Eval, no_grad and inference need no backward, so nothing to recompute: run as is (this also
     # keeps a KV cache that a recompute would otherwise update twice).
     if not (self.training and torch.is_grad_enabled()) or self.__dict__.get("_gradaccel_fine"):
         # (memory= below the per-block floor checkpoints the block's parts instead: frontier.py)
         return forward(*args, **kwargs)
+    policy = compiled.block_policy(self)  # memory= under torch.compile
+    if policy is not None:
+        return compiled.run(functools.partial(forward, **kwargs), args, {}, policy)
     # Keyword arguments go in through partial so that names such as `use_reentrant` or `budget`
     # reach the block, not checkpoint.
     run = functools.partial(_checkpoint_args, functools.partial(forward, **kwargs), budget=self._gradaccel_budget,
@@ -132,12 +137,16 @@ class _HFCheckpoint:
         if (isinstance(function, functools.partial) and inspect.isfunction(function.func)
                 and function.args and isinstance(function.args[0], nn.Module)):
             layer = function.args[0]
-            method = types.MethodType(function.func, layer)
-            function = functools.partial(method, *function.args[1:], **function.keywords)
+            if not torch.compiler.is_compiling():  # (compiled: gradaccel/recompute/compiled.py's owner_of)
+                method = types.MethodType(function.func, layer)
+                function = functools.partial(method, *function.args[1:], **function.keywords)
         kwargs.pop("use_reentrant", None)  # gradaccel is always non-reentrant
         preserve_rng_state = kwargs.pop("preserve_rng_state", True)
         if layer is not None and layer.__dict__.get("_gradaccel_fine"):
             return function(*args, **kwargs)  # memory= checkpoints its parts instead (gradaccel/memory/target.py)
+        policy = compiled.block_policy(layer)  # memory= under torch.compile
+        if policy is not None:
+            return compiled.run(function, args, kwargs, policy, preserve_rng_state)
         # checkpoint_blocks(memory=...) gives each layer its own share, in bytes.
         run = functools.partial(_checkpoint_args, function, budget=getattr(layer, "_gradaccel_budget", self.budget),
                                 cost=self.cost, offload=getattr(layer, "_gradaccel_offload", self.offload), kwargs=kwargs,

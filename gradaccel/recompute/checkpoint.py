@@ -32,6 +32,7 @@ import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
+from gradaccel.recompute import compiled
 from gradaccel.recompute import lengths as _lengths
 from gradaccel.recompute.cost import OpCost, check_cost
 from gradaccel.recompute.frames import Frame, OffloadFrame, TraceFrame, store_for
@@ -229,7 +230,6 @@ def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
 
 
 # -- the public API ----------------------------------------------------------------------------
-@torch._disable_dynamo
 def checkpoint(function, *args, budget=None, preserve_rng_state=True, use_reentrant=None, offload=False,
                host_budget=None, cost="flops", **kwargs):
     """Drop-in for ``torch.utils.checkpoint.checkpoint`` that keeps what fits ``budget``.
@@ -295,6 +295,25 @@ def _checkpoint(function, args, kwargs, budget, preserve_rng_state=True, use_ree
                 host_budget=None, cost="flops"):
     """:func:`checkpoint`, for callers that checked ``budget`` where it was set (checkpoint_blocks'
     blocks): a small int budget chosen by ``memory=`` is not warned about as if the user wrote it."""
+    if torch.compiler.is_compiling() and not offload and not any(k in kwargs for k in _TORCH_ONLY_KWARGS):
+        # Under torch.compile: the region's plan as a selective-checkpoint policy, in the graph
+        # (gradaccel/recompute/compiled.py), planned while dynamo traces. Else eagerly below (a graph break).
+        budget = _check_budget(budget, warn=False)
+        if budget == 0 or not torch.is_grad_enabled():
+            return compiled.run(function, args, kwargs, compiled.RECOMPUTE_ALL, preserve_rng_state)
+        fn, flat_args, flat_kwargs = _unwrap(function, args, kwargs)
+        owner, func = compiled.owner_of(fn, flat_args)
+        compiled.prepare(fn, flat_args, flat_kwargs, owner, func, budget, preserve_rng_state, cost)
+        policy = compiled.find(owner, func, budget, preserve_rng_state, cost)
+        if policy is not None:
+            return compiled.run(function, args, kwargs, policy, preserve_rng_state)
+    return _checkpoint_eager(function, args, kwargs, budget, preserve_rng_state, use_reentrant, offload, host_budget,
+                             cost)
+
+
+@torch._disable_dynamo  # dynamo cannot trace what follows: a compiled caller breaks its graph here
+def _checkpoint_eager(function, args, kwargs, budget, preserve_rng_state=True, use_reentrant=None, offload=False,
+                      host_budget=None, cost="flops"):
     budget = _check_budget(budget, warn=False)
     cost = check_cost(cost)
     if _lengths.in_fake_pass():  # the region around it runs on symbolic fake tensors: no plans here
@@ -344,8 +363,14 @@ def _checkpoint(function, args, kwargs, budget, preserve_rng_state=True, use_ree
             region = _Region(_name(fn), graph, budget, flat, store)
             region.structure = structure
             if region.plan.externals_alive():
-                return _run_sized(region, regions, key, fn, args, kwargs, flat)
-    return _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store, cost, structure)
+                out = _run_sized(region, regions, key, fn, args, kwargs, flat)
+                compiled.remember(owner, func, budget, preserve_rng_state, cost, region.plan)
+                return out
+    out = _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store, cost, structure)
+    region = regions.get(key)
+    if region is not None and not offload:  # its plan, for the next compiled call of the region
+        compiled.remember(owner, func, budget, preserve_rng_state, cost, region.plan)
+    return out
 
 
 def _structure(owner, exact_key, cost):
