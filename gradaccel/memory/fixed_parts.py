@@ -279,16 +279,19 @@ def static_parts(model, optim="adamw", master_weights=False, load_in_4bit=False)
 
 def _bnb_class(name):
     # Sizing needs bitsandbytes' optimizer classes, not its kernels: its import's notices about
-    # them (a CPU kernel from a hub package it could not load) are not the user's to read.
-    quiet = logging.getLogger("bitsandbytes")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    # them (a CPU kernel from a hub package it could not load, or whose publisher it could not
+    # check offline: the `kernels` package's logger) are not the user's to read.
+    quiet = [logging.getLogger(n) for n in ("bitsandbytes", "kernels")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
     try:
         import bitsandbytes as bnb
     except ImportError as e:
         raise ValueError(f"optim={name!r} needs bitsandbytes (pip install bitsandbytes)") from e
     finally:
-        quiet.setLevel(level)
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
     return bnb.optim.PagedAdamW8bit if name == "paged_adamw8bit" else bnb.optim.AdamW8bit
 
 

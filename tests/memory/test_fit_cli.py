@@ -237,14 +237,17 @@ def test_table_aligned_phase_in_words_options_taken(capsys, monkeypatch):
     assert opt.step() is True
 
 
-def test_sizing_prints_nothing_else(tmp_path):
+@pytest.mark.parametrize("offline", ["0", "1"])
+def test_sizing_prints_nothing_else(tmp_path, offline):
     """A 4-bit fit with bitsandbytes' paged 8-bit AdamW prints the table and nothing on stderr:
-    bitsandbytes is imported (for its optimizer class only) with its kernel notices quieted."""
+    bitsandbytes is imported (for its optimizer class only) with its kernel notices quieted,
+    online (it cannot check a kernel's publisher) and with the Hub offline (it skips the check)."""
     pytest.importorskip("bitsandbytes")
     path = tmp_path / "config.json"
     path.write_text(_tiny_config(2).to_json_string())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # Python's own filters, as a user has
     env["PYTHONPATH"] = str(pathlib.Path(gradaccel.__file__).parents[1])
+    env["HF_HUB_OFFLINE"] = offline
     proc = subprocess.run([sys.executable, "-m", "gradaccel.fit", "--model", str(path), "--seq", "64", "--memory",
                            "64MiB", "--lora", "4", "--load-in-4bit", "--optim", "paged_adamw8bit"],
                           capture_output=True, text=True, timeout=300, env=env)
