@@ -36,7 +36,7 @@ from gradaccel.memory.counter import check_count, format_bytes, parse_bytes
 from gradaccel.memory.fixed_parts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
                                           load_config, static_parts)
 from gradaccel.memory.presets import PRESETS
-from gradaccel.memory.parts import is_nested, slices_of, structure_notes
+from gradaccel.memory.parts import is_nested, is_sliced, slices_of, structure_notes
 from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute
 from gradaccel.memory.target import set_plans
@@ -55,7 +55,7 @@ class Fit:
     seq: int
     micro_batch: int
     accum_steps: int
-    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint, or "parts" / "tiles:n"
+    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint, or a plan named in parts.py
     kept: int  # bytes the blocks keep in total beyond their inputs
     peak: int  # predicted peak of the step, slack excluded
     parts: dict  # what the peak is made of (bytes)
@@ -139,6 +139,8 @@ class Fit:
         """Each block's plan, runs of equal plans together: "0-13: budget 1.00 KiB; 14-31: parts"."""
         def name(b):
             n = slices_of(b)
+            if is_sliced(b):
+                return f"sliced, {n} slices of {-(-self.seq // n)} tokens, K/V whole"
             if n:
                 mlp = "" if n == 1 else f", MLP in {n} slices of {-(-self.seq // n)} tokens"
                 return ("keep nothing, rebuilt as parts" if is_nested(b) else "parts") + mlp
@@ -414,7 +416,7 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
     if host_inputs:
         host["block inputs (inputs_on_host)"] = sum(prof.parked_bytes(s) for s in (setup.layout or range(len(prof.blocks))))
     layout = setup.layout or range(len(prof.blocks))
-    notes = list(dict.fromkeys(n for s, p in zip(layout, points) if slices_of(p.budget) > 0
+    notes = list(dict.fromkeys(n for s, p in zip(layout, points) if slices_of(p.budget) > 0 and not is_sliced(p.budget)
                                for n in structure_notes(prof.blocks[s])))
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,

@@ -24,6 +24,9 @@ A block may run:
   with the lower predicted peak is taken.
   In both, a norm whose output only feeds the next part runs inside that part's checkpoint
   (gradaccel/memory/parts.py), so the block holds its residual stream's inputs, not each part's.
+- **sliced** (``"sliced:n"``, gradaccel/memory/sliced.py): for a Llama-family decoder layer,
+  the whole block ``n`` slices of the sequence at a time, keys and values whole: it holds its
+  input alone between forward and backward, and its backward a slice of every other tensor.
 
 And where the model's loss does not fit or the peak is at the loss, **head**: for a Hugging
 Face causal LM whose loss is the stock ``ForCausalLMLoss``, the loss is computed by
@@ -52,7 +55,8 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel.memory.fixed_parts import unpacked
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
-from gradaccel.memory.parts import install_parts, is_nested, set_parts, slices_of
+from gradaccel.memory.parts import install_parts, is_nested, is_sliced, set_parts, slices_of
+from gradaccel.memory.sliced import set_sliced
 from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
 from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute, uncheckpointed
@@ -85,16 +89,17 @@ def _step(model, batch):
 
 def set_plans(model: nn.Module, blocks: list, chunked_loss: bool, settings: list) -> None:
     """Sets what each of ``model``'s checkpointed ``blocks`` runs: ``settings[i]`` is block
-    ``i``'s int budget, None (uncheckpointed), or ``"parts"`` / ``"tiles:n"`` / ``"nested:n"``
-    (gradaccel/memory/parts.py); and the
+    ``i``'s int budget, None (uncheckpointed), or ``"parts"`` / ``"tiles:n"`` / ``"nested:n"`` /
+    ``"sliced:n"`` (gradaccel/memory/parts.py); and the
     loss in chunks on or off (the head must be installed to turn it on)."""
 
     for block, s in zip(blocks, settings):
-        parts = slices_of(s) > 0
+        parts = slices_of(s) > 0 and not is_sliced(s)
         if parts:
             install_parts(block)
         set_parts(block, parts, slices_of(s), whole=is_nested(s))
-        if s is None:  # a plan that recomputes nothing: no checkpoint, and none of its cost
+        set_sliced(block, slices_of(s) if is_sliced(s) else 0)
+        if s is None or is_sliced(s):  # no checkpoint: none needed, or the sliced plan's own node
             block._gradaccel_fine = True
         elif is_nested(s):
             block._gradaccel_budget = 0  # keep nothing: torch.utils.checkpoint around the parts
@@ -114,8 +119,9 @@ class MemoryTarget:
             every block runs a checkpoint plan (or none) and the loss is the model's, else a
             tuple of what the plan also uses: ``"parts"`` (blocks run as their parts),
             ``"tiles"`` (MLPs a slice of tokens at a time), ``"nested"`` (blocks checkpointed
-            whole around their parts), ``"head"`` (the loss in chunks), ``"host"`` (the blocks'
-            inputs on the host);
+            whole around their parts), ``"sliced"`` (whole blocks a slice of the sequence at a
+            time, K/V whole), ``"head"`` (the loss in chunks), ``"host"`` (the blocks' inputs on
+            the host);
             ``floor`` is the predicted peak with every block at its keep-least plan and the
             model's loss, the least per-block checkpoints reach.
     """
@@ -321,9 +327,10 @@ class MemoryTarget:
         settings = [_setting(p, prof.kind_of[i]) for i, p in enumerate(points)]
         if host:  # a block that keeps everything is still checkpointed: that is what parks its input
             settings = [p.budget if st is None else st for st, p in zip(settings, points)]
-        used = {slices_of(s) for s in settings if slices_of(s) > 0}
+        used = {slices_of(s) for s in settings if slices_of(s) > 0 and not is_sliced(s)}
         mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", max(used, default=1) > 1),
-                                     ("nested", any(is_nested(s) for s in settings)), ("head", head),
+                                     ("nested", any(is_nested(s) for s in settings)),
+                                     ("sliced", any(is_sliced(s) for s in settings)), ("head", head),
                                      ("host", host)) if on)
         return (head, settings), (mode or "blocks", peak, floor), bool(fitting) or peak <= self.memory
 
