@@ -35,6 +35,7 @@ from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
 from gradaccel.memory.counter import check_count, format_bytes, parse_bytes
 from gradaccel.memory.fixed_parts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
                                           load_config, static_parts)
+from gradaccel.memory.parking import HOST, PARKED, describe, host_budget, layouts, set_parking
 from gradaccel.memory.presets import PRESETS
 from gradaccel.memory.parts import is_nested, is_sliced, slices_of, structure_notes
 from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
@@ -74,6 +75,11 @@ class Fit:
     options: list = dataclasses.field(default_factory=list)  # other plans worth knowing (Fit each)
     longer: tuple | None = None  # max_seq: (the first length found not to fit, its least predicted peak)
     parts_notes: list = dataclasses.field(default_factory=list)  # how blocks run as parts (parts.structure_notes)
+    parking: tuple | None = None  # per block, its role where not every input is parked (gradaccel/memory/parking.py)
+    host_memory: int | None = None  # the host budget the plan's host bytes stay within (None: no limit)
+    host_note: str = ""  # where the host budget comes from
+    host_cost: tuple | None = None  # max_seq: (the longest length without the host budget, its host bytes)
+    context: int | None = None  # the model's trained context (its config's max_position_embeddings)
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
         """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
@@ -94,6 +100,8 @@ class Fit:
         if len(blocks) != len(self.budgets):
             raise ValueError(f"model has {len(blocks)} blocks, the fit was made for {len(self.budgets)}")
         set_plans(model, blocks, self.chunked_loss, self.budgets)
+        if self.inputs_on_host:
+            set_parking(blocks, self.parking or (HOST,) * len(blocks))
         planner = getattr(self, "_planner", None)  # set by Planner.fit; not a field (to_dict)
         if planner is not None and not (self.offload or self.inputs_on_host) and self.memory is not None:
             from gradaccel.memory.fit_lengths import FittedLengths
@@ -113,7 +121,8 @@ class Fit:
         lines = [f"micro-batch {self.micro_batch} x {self.accum_steps} accumulation steps, sequence {self.seq}"
                  + (", loss in chunks (no whole logits made)" if self.chunked_loss else "")
                  + (f", offload=True ({format_bytes(host)} on host)" if self.offload else "")
-                 + (f", block inputs on host ({format_bytes(host)} on host)" if self.inputs_on_host else "")
+                 + (f", block inputs on host ({format_bytes(host)} on host"
+                    + (f": {describe(self.parking)})" if self.parking else ")") if self.inputs_on_host else "")
                  + ("" if self.fits else "  (DOES NOT FIT)"),
                  f"blocks: {self.modes()}",
                  *(f"parts: {n}" for n in self.parts_notes),
@@ -129,6 +138,12 @@ class Fit:
             lines.append(f"{'host: ' + name:<44} {format_bytes(value):>12}")
         if self.memory is not None:
             lines.append(f"{'target':<44} {format_bytes(self.memory):>12}")
+        if self.host_note:
+            budget = "no limit" if self.host_memory is None else format_bytes(self.host_memory)
+            lines.append(f"{'host budget':<44} {budget:>12}  ({self.host_note})")
+        if self.context is not None and self.seq > self.context:
+            lines.append(f"note: {self.seq} tokens is past the {self.context} the model was trained to (its config's "
+                         "max_position_embeddings): scaling its rope further (YaRN, ...) is the user's choice")
         for s in self.suggestions:
             lines.append(f"advice: {s}")
         for o in self.options:
@@ -200,6 +215,7 @@ class Planner:
             if load_in_4bit and not lora:
                 raise ValueError("load_in_4bit needs lora: 4-bit weights are frozen, only adapters train")
         self.blocks = len(find_blocks(self.model))
+        self.host_bound = False  # a host budget kept some block's input off the host (Planner.parkings)
         self.static = static_parts(self.model, optim, master_weights, load_in_4bit)
         self.load_in_4bit, self.lora = load_in_4bit, lora
         self.profiles = {}
@@ -243,10 +259,22 @@ class Planner:
 
     def fronts(self, prof, offload=False, host=False) -> list:
         """Per block of the model, its kind's plans (``Profile.options``; ``offload``: with offload;
-        ``host``: with the inputs on the host, ``Profile.host_options``)."""
-        layout = self.layout or range(len(prof.blocks))
-        options = prof.host_options if host else prof.options
-        return [options(prof.kind_of[s], offload) for s in layout]
+        ``host``: with the inputs on the host, True for every block or a role per block,
+        ``Profile.host_options``)."""
+        layout = list(self.layout or range(len(prof.blocks)))
+        if host is False:
+            return [prof.options(prof.kind_of[s], offload) for s in layout]
+        roles = (HOST,) * len(layout) if host is True else host
+        return [prof.host_options(prof.kind_of[s], offload, r) for s, r in zip(layout, roles)]
+
+    def parkings(self, prof, host) -> list:
+        """The parking layouts to plan for ``host``: none (False), every block's input (True), or
+        those a host budget in bytes allows (gradaccel/memory/parking.py; True where that is all)."""
+        if isinstance(host, bool):
+            return [host]
+        found = layouts(prof, host, self.layout)
+        self.host_bound = self.host_bound or found != [True]
+        return found
 
     def predict(self, prof, points, exact=True) -> dict:
         out = prof.predict(points, exact=exact, layout=self.layout)
@@ -273,68 +301,73 @@ class Planner:
         points = [chosen[id(prof.kind_of[s])] for s in self.layout or range(len(prof.blocks))]
         return _evaluate(self, seq, micro_batch, micro_batch, points, host=inputs_on_host)
 
-    def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None) -> Fit:
+    def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None, host_memory=None) -> Fit:
         """See :func:`fit`."""
         memory, slack = memory_and_slack(memory, slack)
         check_count(batch, "batch"), check_count(seq, "seq")
+        budget, note = host_budget(host_memory)
+        # What the blocks' parked inputs may take: the budget less the paged optimizer state.
+        inputs = True if budget is None else max(0, budget - self.static.paged)
         usable = memory - slack
         setup = self
         sizes = sorted(micro_batches or [d for d in range(1, batch + 1) if batch % d == 0])
+
+        def within(r):  # its host bytes within the budget
+            return budget is None or sum(r.host.values()) <= budget
 
         def fitting(**how):  # the best plan at each micro-batch that fits, smallest first
             out = []
             for mb in sizes:
                 r = _best_for(setup, seq, mb, batch, usable, **how)
-                if r is None:
+                if r is None or not within(r):
                     break  # a larger micro-batch needs more
                 out.append(r)
             return out
+
+        def answer(r, fits=True):
+            for x in [r] + r.options:
+                x.memory, x.slack, x.host_memory, x.host_note = memory, slack, budget, note
+            r.fits, r._planner = fits, self
+            return r
 
         results = fitting()
         if results:
             # Least predicted time per optimizer step; within 0.5%, the larger micro-batch.
             least = min(r.step_cost for r in results)
             best = max((r for r in results if r.step_cost <= least * 1.005), key=lambda r: r.micro_batch)
-            best.memory, best.slack = memory, slack
             # Offload: what the budget leaves out goes to host memory where copying beats
             # recomputing; faster at the same device memory, or not at all (its own micro-batches:
             # offload never lowers the floor of a plan that keeps nothing).
             offloaded = [r for r in (_best_for(setup, seq, x.micro_batch, batch, usable, True, x.chunked_loss)
-                                     for x in results) if r is not None and r.offload]
+                                     for x in results) if r is not None and r.offload and within(r)]
             if offloaded:
                 off = min(offloaded, key=lambda r: r.step_cost)
                 if off.step_cost < best.step_cost * 0.995:
-                    off.memory, off.slack = memory, slack
                     best.options.append(off)
             # Inputs on the host: more room for what the blocks keep, so maybe less recompute.
-            parked = _best_for(setup, seq, best.micro_batch, batch, usable, chunked_loss=best.chunked_loss, host=True)
+            parked = _best_for(setup, seq, best.micro_batch, batch, usable, chunked_loss=best.chunked_loss, host=inputs)
             if parked is not None and parked.step_cost < best.step_cost * 0.995:
-                parked.memory, parked.slack = memory, slack
                 best.options.append(parked)
-            best._planner = self
-            return best
+            return answer(best)
         # Nothing fits without offload. Where a plan with offload fits, it is the answer (what
         # apply() installs); otherwise the least this step can take, and what would fit.
         fits = fitting(offload=True)
         worst, offload = (_least_either_loss(setup, seq, batch, off) for off in (False, True))
-        if not fits and offload.offload and offload.peak <= usable:
+        if not fits and offload.offload and offload.peak <= usable and within(offload):
             fits = [offload]  # the split's estimate missed it; the least-peak plan fits exactly
         parked = None
         if not fits:  # the blocks' inputs on the host, where only then a plan fits
-            fits = fitting(host=True)
+            fits = fitting(host=inputs)
             if not fits:
-                parked = _least_either_loss(setup, seq, batch, False, host=True)
+                parked = _least_either_loss(setup, seq, batch, False, host=inputs)
                 if parked.peak <= usable:
                     fits = [parked]
         if fits:
-            off = min(fits, key=lambda r: r.step_cost)
-            off.memory, off.slack, off._planner = memory, slack, self
-            return off
-        worst.memory, worst.slack, worst.fits = memory, slack, False
+            return answer(min(fits, key=lambda r: r.step_cost))
         worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
         if parked is not None and parked.peak < offload.peak:  # the least this step can take, and how
             worst.suggestions += _suggest(setup, worst, usable, self.lora, self.load_in_4bit, parked)[-1:]
-        return worst
+        return answer(worst, fits=False)
 
 
 def _checked_loss(loss_fn, model, batch):
@@ -346,11 +379,15 @@ def _checked_loss(loss_fn, model, batch):
 
 
 def _least(setup: Planner, seq, batch, offload, chunked_loss, host=False) -> Fit:
-    """The plan whose predicted peak is least, at micro-batch 1 (``host``: inputs on the host)."""
+    """The plan whose predicted peak is least, at micro-batch 1 (``host``: inputs on the host,
+    as :meth:`Planner.parkings` takes it; of its layouts, the least peak)."""
     prof = setup.profile(seq, 1, chunked_loss)
-    with _inputs_on_host(prof, host):
-        points = least_peak(prof, setup.fronts(prof, offload, host), setup.layout)
-    return _evaluate(setup, seq, 1, batch, points, chunked_loss=chunked_loss, host=host)
+    out = []
+    for roles in setup.parkings(prof, host):
+        with _inputs_on_host(prof, roles):
+            points = least_peak(prof, setup.fronts(prof, offload, roles), setup.layout)
+        out.append(_evaluate(setup, seq, 1, batch, points, chunked_loss=chunked_loss, host=roles))
+    return min(out, key=lambda r: r.peak)
 
 
 def _least_either_loss(setup: Planner, seq, batch, offload, host=False) -> Fit:
@@ -370,7 +407,7 @@ def memory_and_slack(memory, slack=None) -> tuple:
 
 
 @contextlib.contextmanager
-def _inputs_on_host(prof, on: bool):
+def _inputs_on_host(prof, on):
     """The profile's step terms with the blocks' inputs on the host (``Profile.step_terms``), for a while."""
     was, prof.inputs_on_host = prof.inputs_on_host, on
     try:
@@ -385,7 +422,8 @@ def _chunk_loss(model, on):
 
 
 def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunked_loss=False, host=False) -> Fit:
-    """``points``: the plan of each block of the model; ``host``: their inputs on the host."""
+    """``points``: the plan of each block of the model; ``host``: their inputs on the host (True,
+    or each block's role: gradaccel/memory/parking.py)."""
     prof = setup.profile(seq, micro_batch, chunked_loss)
     with _inputs_on_host(prof, host):
         pred = setup.predict(prof, points, exact)
@@ -409,20 +447,24 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
     else:
         parts["optimizer update working set"] = st.step
         phase = "optimizer step"
-    host_inputs, host = host, {"optimizer state, paged (bitsandbytes)": st.paged} if st.paged else {}
+    roles, host = host, {"optimizer state, paged (bitsandbytes)": st.paged} if st.paged else {}
     offloaded = sum(p.host for p in points)
     if offloaded:
         host["activations offloaded by the blocks"] = offloaded
-    if host_inputs:
-        host["block inputs (inputs_on_host)"] = sum(prof.parked_bytes(s) for s in (setup.layout or range(len(prof.blocks))))
     layout = setup.layout or range(len(prof.blocks))
+    if roles is not False:
+        with _inputs_on_host(prof, roles):
+            parked = [r in PARKED for r in prof.roles(len(layout))]
+        host["block inputs (inputs_on_host)"] = sum(prof.parked_bytes(s) for s, on in zip(layout, parked) if on)
     notes = list(dict.fromkeys(n for s, p in zip(layout, points) if slices_of(p.budget) > 0 and not is_sliced(p.budget)
                                for n in structure_notes(prof.blocks[s])))
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,
                sum(p.flops for p in points) + head,
                (batch // micro_batch) * (base + recompute), host=host,
-               offload=bool(offloaded), chunked_loss=chunked_loss, inputs_on_host=host_inputs, parts_notes=notes)
+               offload=bool(offloaded), chunked_loss=chunked_loss, inputs_on_host=roles is not False, parts_notes=notes,
+               parking=None if isinstance(roles, bool) else tuple(roles),
+               context=getattr(getattr(setup.model, "config", None), "max_position_embeddings", None))
 
 
 def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
@@ -451,9 +493,10 @@ def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", l
 
 def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, chunked_loss=None, host=False) -> Fit | None:
     """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes (with
-    ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``). The loss in
-    chunks is tried (``chunked_loss`` None) where the model allows it and the plain loss does
-    not fit or peaks at the loss."""
+    ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``; ``host``: with
+    the inputs on the host, as :meth:`Planner.parkings` takes it, the fastest of its layouts). The
+    loss in chunks is tried (``chunked_loss`` None) where the model allows it and the plain loss
+    does not fit or peaks at the loss."""
     if chunked_loss is None:
         plain = _best_for(setup, seq, micro_batch, batch, usable, offload, False, host)
         if not setup.head_flops or (plain is not None and plain.phase != "head"):
@@ -464,17 +507,21 @@ def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, ch
     room = usable - setup.static.total - setup._dequantised(prof)  # for the step's activations
     if setup.static.step > room:
         return None
-    with _inputs_on_host(prof, host):
-        points = least_recompute(prof, setup.fronts(prof, offload, host), room, layout=setup.layout)
-    if points is None:
-        return None
-    result = _evaluate(setup, seq, micro_batch, batch, points, chunked_loss=chunked_loss, host=host)
-    return result if result.peak <= usable else None
+    best = None
+    for roles in setup.parkings(prof, host):
+        with _inputs_on_host(prof, roles):
+            points = least_recompute(prof, setup.fronts(prof, offload, roles), room, layout=setup.layout)
+        if points is None:
+            continue
+        result = _evaluate(setup, seq, micro_batch, batch, points, chunked_loss=chunked_loss, host=roles)
+        if result.peak <= usable and (best is None or result.step_cost < best.step_cost):
+            best = result
+    return best
 
 
 def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_in_4bit=False,
         dtype=torch.bfloat16, master_weights=False, slack=None, micro_batches=None, make_batch=None,
-        loss_fn=None) -> Fit:
+        loss_fn=None, host_memory=None) -> Fit:
     """The fastest way to train ``batch`` sequences of ``seq`` tokens per step in ``memory``.
 
     Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the
@@ -511,6 +558,12 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
             module that is not a Hugging Face causal LM; default: token ids and labels.
         loss_fn: ``loss_fn(model, batch) -> loss``, one micro-step's forward up to the scalar
             loss; default ``model(**batch, use_cache=False).loss``.
+        host_memory: the host memory the plan may pin (parked block inputs, offloaded
+            activations, paged optimizer state): bytes or a string such as "64GiB"; default this
+            machine's available memory less a margin (gradaccel/memory/parking.py), stated in the
+            table; ``float("inf")`` for no limit. Where parking every block's input would go over
+            it, the fit parks fewer, or nests two blocks under one parked input, whichever
+            recomputes less (``Fit.parking``).
 
     Returns:
         Fit: micro-batch, accumulation steps, per-block budgets, predicted peak with its parts
@@ -525,4 +578,4 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
         offload (its device peak and host bytes, and by how much it is short).
     """
     planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn)
-    return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)
+    return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches, host_memory=host_memory)

@@ -60,6 +60,9 @@ def _parser():
     ap.add_argument("--master-weights", action="store_true")
     ap.add_argument("--slack", type=_bytes("slack"), default=None,
                     help="bytes left to the allocator (default 5%% + 512MiB)")
+    ap.add_argument("--host-memory", type=_bytes("host-memory"), default=None,
+                    help="host memory the plan may pin, e.g. 64GiB (default: this machine's available memory "
+                         "less a margin)")
     ap.add_argument("--granule", type=_count("granule"), default=1024,
                     help="with --max-seq: the answer is a multiple of this many tokens (default 1024)")
     ap.add_argument("--json", action="store_true")
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
     if a.max_seq == (a.seq is not None):
         ap.error("give --seq or --max-seq (one of them)")
     kwargs = dict(optim=a.optim, lora=a.lora, load_in_4bit=a.load_in_4bit, dtype=getattr(torch, a.dtype),
-                  master_weights=a.master_weights, slack=a.slack)
+                  master_weights=a.master_weights, slack=a.slack, host_memory=a.host_memory)
     try:
         if a.max_seq:
             result = max_seq(a.model, a.memory, batch=a.batch, granule=a.granule, **kwargs)
@@ -94,6 +97,9 @@ def main(argv=None) -> int:
                 f"not even {result.seq} tokens fit in {format_bytes(a.memory)}"
             if result.longer is not None:
                 head += f"; at {result.longer[0]} tokens the least peak is {format_bytes(result.longer[1])}"
+            if result.host_cost is not None:
+                head += (f"; the host budget cost {result.host_cost[0] - result.seq} tokens ({result.host_cost[0]} "
+                         f"without it, with {format_bytes(result.host_cost[1])} on host)")
             print(head)
         print(result.table())
     return 0 if result.fits else 1

@@ -35,6 +35,7 @@ from gradaccel.memory.kinds import (KEEP_ALL, Kind, Point, block_kind, cheaper_f
                                     fake_mode, run_plan)
 from gradaccel.memory.parts import (PARTS, check_structure, has_parts, has_tiles, is_nested, is_parts, is_sliced,
                                     nested, set_parts, slice_counts, sliced, slices_of, tiles)
+from gradaccel.memory.parking import DEVICE, HOST, PAIR, PAIRED, PARKED
 from gradaccel.memory.sliced import kv_flops, why_not
 from gradaccel.recompute.blocks import _find_blocks, _find_by_type, model_class
 
@@ -357,28 +358,37 @@ class Profile:
         blocks hold, bytes live at the phase's start)`` at keep-nothing plans.
         """
         layout = list(range(len(self.blocks))) if layout is None else list(layout)
-        key = (tuple(layout), self.inputs_on_host)
+        key = (tuple(layout), self.inputs_on_host if isinstance(self.inputs_on_host, bool) else tuple(self.inputs_on_host))
         if key in self._terms:
             return self._terms[key]
         ph, pre, held = self.phases, self.pre, self.held
         # Inputs on the host: block i's input leaves the device when its forward ends (its private
         # copy made for the forward is live during it) and comes back when its backward starts,
-        # with block i-1's prefetched: ``away`` bytes of inputs are off the device.
-        away, prev = 0, 0
+        # with the input parked before it prefetched: ``away`` bytes of inputs are off the device.
+        # A pair (gradaccel/memory/parking.py) parks its first block's input when the second's
+        # forward ends, and the second's input is not held: both are back in the second's backward.
+        away, last, pending = 0, 0, None  # last: the input parked last; pending: (bytes, last) of a pair's first
         fixed = [(ph["pre"][1], "pre", 0, ph["pre"][0])]
         if "tail" in ph:
             fixed.append((ph["tail"][1], "tail", 0, ph["tail"][0]))
         H, blocks, fwd, bwd = pre[0], 0, [], []
-        for i, s in enumerate(layout):
+        for i, (s, role) in enumerate(zip(layout, self.roles(len(layout)))):
             H += pre[s] - (held[s - 1] if s > 0 else pre[0])
-            mine = self.parked_bytes(s) if self.inputs_on_host else 0
-            fwd.append((H - away + ph[("fwd", s)][1] - pre[s] + mine, ("fwd", i), blocks - away, H - away))
+            mine = self.parked_bytes(s) if role in PARKED else 0
+            copy = mine + (pending[0] if role == PAIRED else 0)  # private copies on the device in this forward
+            fwd.append((H - away + ph[("fwd", s)][1] - pre[s] + copy, ("fwd", i), blocks - away, H - away))
             H += held[s] - pre[s]
             blocks += held[s] - pre[s]
             start, peak = ph[("bwd", s)]
+            prev = 0 if role == DEVICE else (pending[1] if role == PAIRED else last)  # prefetched meanwhile
             bwd.append((H - away + prev + peak - held[s], ("bwd", i), blocks - away + prev,
                         H - away + prev + start - held[s]))
-            away, prev = away + mine, mine
+            if role == PAIR:
+                pending = (mine, last)
+            elif role == PAIRED:
+                away, last, pending = away + pending[0] + self.parked_bytes(s), pending[0], None
+            elif role == HOST:
+                away, last = away + mine, mine
         last = len(self.blocks) - 1
         head = (H - away + ph["head"][1] - held[last], "head", blocks - away, H - away + ph["head"][0] - held[last])
         self._terms[key] = {"layout": layout, "fixed": max(fixed, key=_first), "fwd": fwd, "bwd": bwd, "head": head}
@@ -392,9 +402,23 @@ class Profile:
         args = self.kind_of[s].args
         return parked_bytes(args[0]) if args and s not in self.pinned_inputs else 0
 
-    def host_options(self, kind: Kind, offload: bool = False) -> list:
-        """:meth:`options` with the inputs on the host: a block run as its parts keeps its input
-        on the device (it is not one checkpoint), so its kept bytes grow by it."""
+    def roles(self, n: int) -> tuple:
+        """Each of ``n`` blocks' role (gradaccel/memory/parking.py) under ``inputs_on_host``: True,
+        every block parked; False, none; or the roles themselves."""
+        if isinstance(self.inputs_on_host, bool):
+            return ((HOST if self.inputs_on_host else DEVICE),) * n
+        return tuple(self.inputs_on_host)
+
+    def host_options(self, kind: Kind, offload: bool = False, role: str = HOST) -> list:
+        """:meth:`options` for a block whose role is ``role`` (gradaccel/memory/parking.py). Parked
+        (``HOST``): a block run as its parts keeps its input on the device (it is not one
+        checkpoint), so its kept bytes grow by it. In a pair: sliced plans only, each recomputing
+        one forward of the block more (the pair's checkpoint runs it again in backward)."""
+        if role in (PAIR, PAIRED):
+            return [dataclasses.replace(p, cost=p.cost + kind.forward_cost, flops=p.flops + kind.zero.flops)
+                    for p in self.options(kind, offload) if is_sliced(p.plan)]
+        if role == DEVICE:
+            return self.options(kind, offload)
         inp = self.parked_bytes(kind.blocks[0])
         return [dataclasses.replace(p, kept=p.kept + inp) if is_parts(p.plan) else p
                 for p in self.options(kind, offload)]
@@ -406,7 +430,9 @@ class Profile:
         start (``offload_cost_per_byte``: a round trip, taken as half each way)."""
         layout = list(range(len(self.blocks))) if layout is None else list(layout)
         total = 0.0
-        for s in layout:
+        for s, role in zip(layout, self.roles(len(layout))):
+            if role not in PARKED:
+                continue
             kind = self.kind_of[s]
             one_way = offload_cost_per_byte(copy_device(kind.graph), kind.graph.cost) * self.parked_bytes(s) / 2
             total += max(0.0, one_way - kind.forward_cost) + max(0.0, one_way - 2 * kind.forward_cost)

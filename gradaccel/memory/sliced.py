@@ -38,6 +38,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten
 
 from gradaccel.recompute.blocks import model_class
@@ -330,18 +331,36 @@ def run_sliced(block, n: int, forward, args: tuple, kwargs: dict):
 
 def _sliced_forward(block, *args, **kwargs):
     """The forward :func:`set_sliced` gives a block: sliced in training, its input parked on the
-    host where ``inputs_on_host`` says so; as the model's own otherwise."""
+    host where ``inputs_on_host`` says so, and run with the next block under one checkpoint where
+    it is a pair's first (gradaccel/memory/parking.py); as the model's own otherwise."""
     forward = model_class(block).forward.__get__(block)
-    n = block.__dict__.get("_gradaccel_sliced", 0)
+    d = block.__dict__
+    n = d.get("_gradaccel_sliced", 0)
     if not (n and block.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
+    pending = d.pop("_gradaccel_pending", None)
+    if pending is not None and args and args[0] is pending:
+        return pending  # the pair's first block ran this one inside its checkpoint
+    tail = d.get("_gradaccel_pair")
+    if tail is not None and tail.__dict__.get("_gradaccel_sliced"):
+        tail_forward = model_class(tail).forward.__get__(tail)
 
-    def run(*a):
-        return run_sliced(block, n, forward, a, kwargs)
+        def both(x):
+            y = run_sliced(block, n, forward, (x,), kwargs)
+            return run_sliced(tail, tail._gradaccel_sliced, tail_forward, (y,), kwargs)
 
-    if block.__dict__.get("_gradaccel_inputs_on_host"):
-        return run_parked(run, args)
-    return run(*args)
+        def run(*a):
+            return torch.utils.checkpoint.checkpoint(both, *a, use_reentrant=False)
+    else:
+        tail = None
+
+        def run(*a):
+            return run_sliced(block, n, forward, a, kwargs)
+
+    out = run_parked(run, args) if d.get("_gradaccel_inputs_on_host") else run(*args)
+    if tail is not None:
+        tail.__dict__["_gradaccel_pending"] = out
+    return out
 
 
 def set_sliced(block, n: int) -> None:

@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_flatten
 from gradaccel.memory.fixed_parts import unpacked
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
 from gradaccel.memory.parts import install_parts, is_nested, is_sliced, set_parts, slices_of
+from gradaccel.memory.parking import DEVICE, HOST, host_budget, layouts, set_parking
 from gradaccel.memory.sliced import set_sliced
 from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
 from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
@@ -126,9 +127,12 @@ class MemoryTarget:
             model's loss, the least per-block checkpoints reach.
     """
 
-    def __init__(self, memory: int, blocks: list, model: nn.Module, seq: int | None = None, inputs_on_host=False):
+    def __init__(self, memory: int, blocks: list, model: nn.Module, seq: int | None = None, inputs_on_host=False,
+                 host_memory=None):
         self.memory, self.seq = memory, seq
         self.inputs_on_host = inputs_on_host  # the user's: every plan with the inputs on the host
+        # What the parked inputs may take (gradaccel/memory/parking.py): default, the machine's.
+        self.host_memory, self.host_note = host_budget(host_memory)
         self.seen = {}
         self.chosen = {}
         self.hosts = {}  # input signature -> whether its plan has the inputs on the host
@@ -254,8 +258,9 @@ class MemoryTarget:
 
     def _set(self, model, blocks, head, settings, host=False):
         set_plans(model, blocks, head, settings)
-        for block in blocks:  # read by the checkpointed forward (either route: gradaccel/recompute/blocks.py)
-            block._gradaccel_inputs_on_host = host or self.inputs_on_host
+        # Read by the checkpointed forward (either route: gradaccel/recompute/blocks.py, sliced.py).
+        on = host or self.inputs_on_host
+        set_parking(blocks, host if isinstance(host, tuple) else ((HOST if on else DEVICE),) * len(blocks))
 
     def _choose(self, module, args, kwargs, predict=True):
         """``((head, settings), (mode, peak, floor))`` for this call, the inputs on the host
@@ -273,7 +278,7 @@ class MemoryTarget:
                           f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors; short by "
                           f"{peak - self.memory} bytes) at input shape {_key(args, kwargs)}; using that plan. "
                           "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
-        self.hosts[_key(args, kwargs)] = host
+        self.hosts[_key(args, kwargs)] = self._roles if host else False
         return plan, chosen
 
     def _plan(self, module, args, kwargs, predict, host):
@@ -295,8 +300,20 @@ class MemoryTarget:
             bare = None if host else uncheckpointed(prof, self.memory)
             if bare is not None:
                 return prof, None, bare
-            opts = [(prof.host_options if host else prof.options)(prof.kind_of[i]) for i in range(len(prof.blocks))]
-            return prof, opts, least_recompute(prof, opts, self.memory)
+            if not host:
+                opts = [prof.options(prof.kind_of[i]) for i in range(len(prof.blocks))]
+                return prof, opts, least_recompute(prof, opts, self.memory)
+            # The layouts the host budget allows (gradaccel/memory/parking.py): the least recompute
+            # that fits, or else the one holding least on the device (the last).
+            tried = []
+            for roles in layouts(prof, self.host_memory) or [False]:  # [False]: not even pairs fit the budget
+                prof.inputs_on_host = roles
+                opts = [prof.host_options(prof.kind_of[i], False, r) for i, r in enumerate(prof.roles(len(prof.blocks)))]
+                tried.append((roles, opts, least_recompute(prof, opts, self.memory)))
+            roles, opts, pts = min((t for t in tried if t[2] is not None), default=tried[-1],
+                                   key=lambda t: sum(p.cost for p in t[2]))
+            prof.inputs_on_host = roles
+            return prof, opts, pts
 
         tried = {False: plan(False)}
         plain, opts, points = tried[False]
@@ -324,6 +341,7 @@ class MemoryTarget:
             # A predicted profile offers fewer plans than a profile of this length (the candidates
             # fitted across lengths): before going over the target, profile this length itself.
             return self._plan_on(module, args, kwargs, False, host, profiles)
+        self._roles = prof.inputs_on_host  # the parking of the plan chosen (_choose keeps it)
         settings = [_setting(p, prof.kind_of[i]) for i, p in enumerate(points)]
         if host:  # a block that keeps everything is still checkpointed: that is what parks its input
             settings = [p.budget if st is None else st for st, p in zip(settings, points)]
