@@ -303,9 +303,9 @@ class Profile:
         keep more (their parts' inputs), but rebuild one part at a time, so backward's working
         set is smaller: a filter on kept bytes would drop them, the split on the peak's terms
         (gradaccel/memory/split.py) weighs them. Tiles are offered at a few slice counts
-        (``parts.slice_counts`` of the block's tokens: the slice is the split's choice), and so
-        are sliced plans, where the block is one that runs sliced (gradaccel/memory/sliced.py:
-        the whole block a slice at a time, K/V whole, holding its input alone)."""
+        (``parts.slice_counts`` of the block's tokens: the slice is the split's choice); a sliced
+        plan, where the block is one that runs sliced (gradaccel/memory/sliced.py: the whole
+        block a slice at a time, K/V whole, holding its input alone), at the finest of them."""
         if kind._options is None:
             block, zero = self.blocks[kind.blocks[0]], kind.zero
             self.block_peak(kind, zero)
@@ -320,8 +320,10 @@ class Profile:
                 # Parts inside a keep-nothing checkpoint: at the finest slices (their peak is the
                 # least; what they hold is the block's input alone, whatever the slices).
                 plans.append(nested(max(tile_counts, default=1)))
-            if why_not(block) is None:
-                plans += [sliced(n) for n in counts]
+            if why_not(block) is None and counts:
+                # At the finest slices only: sliced plans recompute the same at any count (as
+                # priced), so the split would take the lowest peak, the finest, anyway.
+                plans.append(sliced(max(counts)))
             for plan in plans:
                 point = Point(plan, zero.kept, *self._recompute_of(kind, plan), 0, plan)
                 self.block_peak(kind, point)
