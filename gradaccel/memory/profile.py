@@ -307,9 +307,7 @@ class Profile:
         plan, where the block is one that runs sliced (gradaccel/memory/sliced.py: the whole
         block a slice at a time, K/V whole, holding its input alone), at the finest of them."""
         if kind._options is None:
-            block, zero = self.blocks[kind.blocks[0]], kind.zero
-            self.block_peak(kind, zero)
-            kind._options = []
+            block = self.blocks[kind.blocks[0]]
             plans = [PARTS] if has_parts(block) else []
             counts = slice_counts(_tokens(kind))
             if plans:
@@ -324,12 +322,19 @@ class Profile:
                 # At the finest slices only: sliced plans recompute the same at any count (as
                 # priced), so the split would take the lowest peak, the finest, anyway.
                 plans.append(sliced(max(counts)))
-            for plan in plans:
-                point = Point(plan, zero.kept, *self._recompute_of(kind, plan), 0, plan)
-                self.block_peak(kind, point)
-                point.kept += kind._peaks[plan][2] - kind._peaks[zero.key][2]  # held after forward
-                kind._options.append(point)
+            kind._options = [self.piece_point(kind, plan) for plan in plans]
         return (kind.offload_frontier if offload else kind.frontier) + kind._options
+
+    def piece_point(self, kind: Kind, plan: str) -> Point:
+        """The point of a plan that runs a block of ``kind`` in pieces (``"parts"``,
+        ``"tiles:n"``, ``"nested:n"``, ``"sliced:n"``): its block run alone for its peaks, what it
+        holds after forward beyond keep-nothing's, and what it recomputes (:meth:`_recompute_of`)."""
+        zero = kind.zero
+        self.block_peak(kind, zero)
+        point = Point(plan, zero.kept, *self._recompute_of(kind, plan), 0, plan)
+        self.block_peak(kind, point)
+        point.kept += kind._peaks[plan][2] - kind._peaks[zero.key][2]  # held after forward
+        return point
 
     def _recompute_of(self, kind: Kind, plan) -> tuple:
         """(cost, FLOPs) a plan that runs the block in pieces recomputes: keep-nothing's (every op
