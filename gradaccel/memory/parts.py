@@ -2,6 +2,10 @@
 of their own; in "tiles" mode a token-wise child (an MLP) runs a slice of the sequence at a
 time, each slice its own checkpoint.
 
+Every plan that is not a byte budget is named here, in one place: ``"parts"``, ``"tiles:n"``
+and ``"nested:n"`` (this module's), ``"sliced:n"`` (the whole block ``n`` slices of the sequence
+at a time, keys and values whole: gradaccel/memory/sliced.py); :func:`slices_of` reads ``n``.
+
 Below the per-block floor, backward's working set is what counts: a block run as parts rebuilds
 one part at a time, not the whole block while every gradient made so far is alive; with tiles,
 the MLP's rebuild is O(slice x width), not O(tokens x width). The number of slices is the

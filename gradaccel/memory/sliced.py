@@ -187,9 +187,8 @@ class _Slices:
         kw = dict(self.kwargs)
         cos, sin = kw["position_embeddings"]
         kw["position_embeddings"] = (cos[:, s:e], sin[:, s:e])
-        for name in ("position_ids",):
-            if torch.is_tensor(kw.get(name)):
-                kw[name] = kw[name][..., s:e]
+        if torch.is_tensor(kw.get("position_ids")):
+            kw["position_ids"] = kw["position_ids"][..., s:e]
         if torch.is_tensor(kw.get("cache_position")):
             kw["cache_position"] = kw["cache_position"][s:e]
         mask = kw.get("attention_mask")
@@ -217,6 +216,17 @@ class _Slices:
         with self.replay(("kv", j)):
             return _kv(self.block, x, cos, sin)
 
+    def whole_kv(self, x):
+        """K and V of all rows ``x``, made a slice at a time (called without grad)."""
+        k = v = None
+        for j, (s, e) in enumerate(self.bounds):
+            kj, vj = self.kv(x[:, s:e], j)
+            if k is None:
+                k = kj.new_empty((*kj.shape[:2], x.shape[1], kj.shape[-1]))
+                v = vj.new_empty((*vj.shape[:2], x.shape[1], vj.shape[-1]))
+            k[:, :, s:e], v[:, :, s:e] = kj, vj
+        return k, v
+
     def rows(self, x, k, v, i):
         s, e = self.bounds[i]
         kw = self._cut(s, e)
@@ -230,23 +240,15 @@ class _SlicedBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run: _Slices, x, *params):
-        b, t = x.shape[:2]
-        k = v = None
-        for j, (s, e) in enumerate(run.bounds):
-            kj, vj = run.kv(x[:, s:e], j)
-            if k is None:
-                k = kj.new_empty((*kj.shape[:2], t, kj.shape[-1]))
-                v = vj.new_empty((*vj.shape[:2], t, vj.shape[-1]))
-            k[:, :, s:e], v[:, :, s:e] = kj, vj
-            del kj, vj
+        k, v = run.whole_kv(x)
         out = None
         for i, (s, e) in enumerate(run.bounds):
             y = run.rows(x[:, s:e], k[:, :, :e], v[:, :, :e], i)
             if out is None:
-                out = y.new_empty((b, t, *y.shape[2:]))
+                out = y.new_empty((*x.shape[:2], *y.shape[2:]))
             out[:, s:e] = y
             del y
-        ctx.run, ctx.n_params = run, len(params)
+        ctx.run = run
         ctx.save_for_backward(x)
         return out
 
@@ -255,14 +257,7 @@ class _SlicedBlock(torch.autograd.Function):
         (x,), run = ctx.saved_tensors, ctx.run
         params = [p for p in run.block.parameters() if p.requires_grad]
         with torch.no_grad():
-            k = v = None
-            for j, (s, e) in enumerate(run.bounds):
-                kj, vj = run.kv(x[:, s:e], j)
-                if k is None:
-                    k = kj.new_empty((*kj.shape[:2], x.shape[1], kj.shape[-1]))
-                    v = vj.new_empty((*vj.shape[:2], x.shape[1], vj.shape[-1]))
-                k[:, :, s:e], v[:, :, s:e] = kj, vj
-                del kj, vj
+            k, v = run.whole_kv(x)
         wants_x = ctx.needs_input_grad[1]
         dx = torch.zeros_like(x) if wants_x else None
         dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
