@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import gradaccel  # noqa: E402
+from _models import hf_llama, token_batch  # noqa: E402
 from gradaccel.memory.counter import measured_peak  # noqa: E402
 from gradaccel.memory.fit import Planner, _evaluate, _least, hf_step  # noqa: E402
 from gradaccel.memory.parking import (DEVICE, HOST, PAIR, PAIRED, default_host_memory, describe,  # noqa: E402
@@ -21,16 +22,11 @@ INPUT = SEQ * HIDDEN * 4  # one block input, fp32
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                   max_position_embeddings=SEQ, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(cfg).train()
+    return hf_llama(HIDDEN, INTER, LAYERS, VOCAB, SEQ)
 
 
 def _batch():
-    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
-    return {"input_ids": ids, "labels": ids}
+    return token_batch(VOCAB, SEQ)
 
 
 def test_layouts_a_budget_allows():
