@@ -24,7 +24,7 @@ import transformers
 import gradaccel
 from gradaccel.memory.fit import Planner, _evaluate
 from gradaccel.memory.parking import HOST, set_parking
-from gradaccel.memory.parts import slice_counts, sliced
+from gradaccel.memory.parts import sliced, sliced_count
 from gradaccel.memory.profile import find_blocks
 from gradaccel.memory.target import set_plans
 
@@ -70,7 +70,7 @@ def main():
     planner = Planner(base, optim="sgd", dtype=dtype, make_batch=lambda mb, t: {"input_ids": ids[:, :t]},
                       loss_fn=lambda m, b: m(**b).last_hidden_state.float().pow(2).mean())
     prof = planner.profile(seq, 1)  # one fake-tensor profile for the three rows
-    plan = sliced(max(slice_counts(seq)))
+    plan = sliced(sliced_count(seq))
     rows, grads = [], []
     for name in ("device", "host", plan):
         gradaccel.reset_plans()

@@ -89,7 +89,7 @@ def _sliced(model, inputs) -> int:
     (as ``memory=`` sets a plan); returns ``memory=``'s prediction of that step's peak."""
     from gradaccel.memory.chunked_loss import install_head, set_head
     from gradaccel.memory.parking import HOST, set_parking
-    from gradaccel.memory.parts import slice_counts, sliced
+    from gradaccel.memory.parts import sliced, sliced_count
     from gradaccel.memory.profile import Profile, find_blocks
     from gradaccel.memory.target import _step, set_plans
 
@@ -98,7 +98,7 @@ def _sliced(model, inputs) -> int:
     prof = Profile(model, _step, ((), inputs), grad_hooks=False, prepare=lambda m: set_head(m, True))
     prof.inputs_on_host = True
     tokens = inputs["input_ids"].shape[1]
-    plan = sliced(max(slice_counts(tokens)))  # the count the planner offers
+    plan = sliced(sliced_count(tokens))  # the count the planner offers
     points = [prof.piece_point(prof.kind_of[i], plan) for i in range(len(prof.blocks))]
     blocks = find_blocks(model)
     set_plans(model, blocks, True, [p.plan for p in points])

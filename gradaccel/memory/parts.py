@@ -44,11 +44,13 @@ from gradaccel.memory.sliced import why_not
 from gradaccel.recompute.blocks import model_class
 
 __all__ = ["has_parts", "has_tiles", "install_parts", "set_parts", "slice_counts", "slices_of", "tiles",
-           "nested", "is_nested", "sliced", "is_sliced", "is_parts", "check_structure", "structure_notes"]
+           "nested", "is_nested", "sliced", "sliced_count", "is_sliced", "is_parts", "check_structure",
+           "structure_notes"]
 
 TILE_CHUNKS = 4  # slices offered where the sequence is too short for MIN_SLICE-token slices
 MIN_SLICE = 1024  # tokens: shorter slices make small matmuls and save little more
 SLICE_OPTIONS = 4  # slice counts offered at most (each is a block run in the profile)
+SLICED_MAX = 256  # a sliced plan's most slices: past it the peak drops little, and the profile's run takes long
 PARTS = "parts"
 
 
@@ -110,6 +112,12 @@ def slice_counts(tokens: int) -> list:
     if not counts:
         return [TILE_CHUNKS] if tokens >= TILE_CHUNKS else []
     return counts[-SLICE_OPTIONS:]
+
+
+def sliced_count(tokens: int) -> int:
+    """The slice count a sliced plan is offered at for ``tokens`` tokens: the finest of
+    :func:`slice_counts`, at most SLICED_MAX (0 where none is)."""
+    return min(max(slice_counts(tokens), default=0), SLICED_MAX)
 
 
 # -- parts: a block's children as their own checkpoints -----------------------------------------

@@ -34,7 +34,7 @@ from gradaccel.memory.counter import LiveBytes, Trajectory
 from gradaccel.memory.kinds import (KEEP_ALL, Kind, Point, block_kind, cheaper_front, fake_copy,  # noqa: F401
                                     fake_mode, run_plan)
 from gradaccel.memory.parts import (PARTS, check_structure, has_parts, has_tiles, is_nested, is_parts, is_sliced,
-                                    nested, set_parts, slice_counts, sliced, slices_of, tiles)
+                                    nested, set_parts, slice_counts, sliced, sliced_count, slices_of, tiles)
 from gradaccel.memory.parking import DEVICE, HOST, PAIR, PAIRED, PARKED
 from gradaccel.memory.sliced import kv_flops, why_not
 from gradaccel.recompute.blocks import _find_blocks, _find_by_type, model_class
@@ -321,7 +321,7 @@ class Profile:
             if why_not(block) is None and counts:
                 # At the finest slices only: sliced plans recompute the same at any count (as
                 # priced), so the split would take the lowest peak, the finest, anyway.
-                plans.append(sliced(max(counts)))
+                plans.append(sliced(sliced_count(_tokens(kind))))
             kind._options = [self.piece_point(kind, plan) for plan in plans]
         return (kind.offload_frontier if offload else kind.frontier) + kind._options
 
