@@ -4,7 +4,8 @@
 # `python -m bench --device cuda`, which writes its tables into bench/RESULTS.md. What comes
 # back (at most 8 files under $OUT): gpu.txt, build.log, tests.log, checks.log (the wgrad GEMM
 # against cuBLAS and routed layers against the fold, deepspeed's install, the seed script at
-# every length, one long-context step with the block inputs on the host against on the device),
+# every length, one long-context step with the block inputs on the host, and with every block
+# sliced, against the inputs on the device),
 # bench.log, RESULTS.md, report.md, results.json. Commit the returned RESULTS.md.
 #
 # On a machine with two GPUs the bench's distributed suite runs too (NCCL, 2 ranks: FSDP2, the DDP
@@ -94,7 +95,7 @@ echo "== the seed script at every length (QLoRA SFTTrainer, flash_attention_2 wh
 timeout 55 "$PY" bench/lengths_qlora.py --device cuda --micro 16 --accum 4 >> "$OUT/checks.log" 2>&1
 echo "lengths_qlora exit $?"
 tail -4 "$OUT/checks.log"
-echo "== long context: block inputs on the host vs on the device (Llama-3.2-1B shape, 32K tokens, one step each)"
+echo "== long context: block inputs on the device, on the host, and sliced blocks (Llama-3.2-1B shape, 32K tokens, one step each)"
 timeout 50 "$PY" bench/host_inputs_gpu.py --seq 32768 >> "$OUT/checks.log" 2>&1
 echo "host_inputs exit $?"
 tail -4 "$OUT/checks.log"

@@ -1,11 +1,15 @@
-"""One long-context training step with the blocks' inputs kept on the device and with them on
-the host (``checkpoint_blocks(..., inputs_on_host=True)``), side by side: measured peak
-(``max_memory_allocated``), step time, the fit's predicted peak, and the gradients' agreement.
+"""One long-context training step with the blocks' inputs kept on the device, with them on the
+host (``checkpoint_blocks(..., inputs_on_host=True)``), and with every block sliced (the whole
+block a slice of the sequence at a time, K/V whole: gradaccel/memory/sliced.py, whose attention
+runs torch's lower-right causal bias on CUDA) with its input on the host, side by side: measured
+peak (``max_memory_allocated``), step time, the fit's predicted peak, and the gradients'
+agreement with the first row's (bit-equal for the inputs on the host; for the sliced blocks, the
+largest difference over the largest gradient: bf16 sums over slices).
 
 A Llama-3.2-1B-shaped model with random weights, bf16, SDPA, the base model (no LM head: its
 logits would set the peak; the loss is the final hidden state's mean square). On a GPU:
 
-    python bench/host_inputs_gpu.py --seq 32768            # about 30 s on an H100/H200
+    python bench/host_inputs_gpu.py --seq 32768            # under 50 s on an H100/H200 (not yet run)
 
 ``--tiny`` runs a small shape on the CPU, to check the script itself.
 """
@@ -18,7 +22,11 @@ import torch
 import transformers
 
 import gradaccel
-from gradaccel.fit import estimate
+from gradaccel.memory.fit import Planner, _evaluate
+from gradaccel.memory.parking import HOST, set_parking
+from gradaccel.memory.parts import sliced, sliced_count
+from gradaccel.memory.profile import find_blocks
+from gradaccel.memory.target import set_plans
 
 
 def _model(tiny: bool, seq: int):
@@ -59,26 +67,40 @@ def main():
     seq = min(args.seq, 512) if args.tiny else args.seq
     base = _model(args.tiny, seq).to(device, dtype).train()
     ids = torch.randint(0, base.config.vocab_size, (1, seq), device=device)
+    planner = Planner(base, optim="sgd", dtype=dtype, make_batch=lambda mb, t: {"input_ids": ids[:, :t]},
+                      loss_fn=lambda m, b: m(**b).last_hidden_state.float().pow(2).mean())
+    prof = planner.profile(seq, 1)  # one fake-tensor profile for the three rows
+    plan = sliced(sliced_count(seq))
     rows, grads = [], []
-    for on in (False, True):
+    for name in ("device", "host", plan):
         gradaccel.reset_plans()
-        model = gradaccel.checkpoint_blocks(copy.deepcopy(base), inputs_on_host=on)
+        model = copy.deepcopy(base)
+        if name == plan:
+            points = [prof.piece_point(prof.kind_of[s], plan) for s in range(len(prof.blocks))]
+            fit = _evaluate(planner, seq, 1, 1, points, host=True)
+            gradaccel.checkpoint_blocks(model, inputs_on_host=True)  # what fit.apply sets, without its optimizer
+            blocks = find_blocks(model)
+            set_plans(model, blocks, False, fit.budgets)
+            set_parking(blocks, (HOST,) * len(blocks))
+        else:
+            fit = planner.estimate(seq, 1, 1, inputs_on_host=name == "host")
+            model = gradaccel.checkpoint_blocks(model, inputs_on_host=name == "host")
         _step(model, ids, device)  # warm-up (kernels, the host pool)
         model.zero_grad()
         elapsed, peak = _step(model, ids, device)
         grads.append([p.grad.float() for p in model.parameters()])
-        fit = estimate(model, seq, 1, 1, make_batch=lambda mb, t: {"input_ids": ids[:, :t]},
-                                     loss_fn=lambda m, b: m(**b).last_hidden_state.float().pow(2).mean(),
-                                     optim="sgd", dtype=dtype, inputs_on_host=on)
-        rows.append((on, elapsed, peak, fit))
+        rows.append((name, elapsed, peak, fit))
         del model
-    equal = all(torch.equal(a, b) for a, b in zip(*grads))
-    print(f"{'inputs':<8} {'seq':>7} {'step s':>8} {'measured peak GiB':>18} {'fit peak GiB':>13} {'host GiB':>9}")
-    for on, elapsed, peak, fit in rows:
-        print(f"{'host' if on else 'device':<8} {seq:>7} {elapsed:>8.3f} {peak / 2**30:>18.3f} "
+    equal = all(torch.equal(a, b) for a, b in zip(*grads[:2]))
+    worst = max(g.abs().max().item() for g in grads[0])
+    sliced_err = max((a - b).abs().max().item() for a, b in zip(grads[0], grads[2])) / worst
+    print(f"{'blocks':<10} {'seq':>7} {'step s':>8} {'measured peak GiB':>18} {'fit peak GiB':>13} {'host GiB':>9}")
+    for name, elapsed, peak, fit in rows:
+        print(f"{name:<10} {seq:>7} {elapsed:>8.3f} {peak / 2**30:>18.3f} "
               f"{fit.peak / 2**30:>13.3f} {sum(fit.host.values()) / 2**30:>9.3f}")
-    print(f"time host/device {rows[1][1] / rows[0][1]:.3f}x; gradients bit-equal: {equal}")
-
+    print(f"time host/device {rows[1][1] / rows[0][1]:.3f}x, {plan}/device {rows[2][1] / rows[0][1]:.3f}x; "
+          f"gradients with the inputs on the host bit-equal: {equal}; {plan}: largest difference "
+          f"{sliced_err:.2e} of the largest gradient")
 
 if __name__ == "__main__":
     main()

@@ -17,9 +17,12 @@ every variant runs on its own copy of the same weights, with the same tokens:
   peak at that length)``, as issue 28 asks it; where the target is below what gradaccel's plans
   reach, it warns and runs its lowest plan.
 - ``gradaccel-least``: ``checkpoint_blocks(model, memory=1)``: a target no plan meets, so the
-  plan of least predicted peak runs (warned): blocks nested (a keep-nothing checkpoint around
-  their parts, the MLP in slices), inputs on the host where that lowers the peak, the loss in
-  chunks.
+  plan of least predicted peak runs (warned): blocks sliced or nested (gradaccel/memory/sliced.py,
+  parts.py), inputs on the host where that lowers the peak, the loss in chunks.
+- ``gradaccel-sliced``: every block sliced (the whole block a slice of the sequence at a time,
+  keys and values whole: gradaccel/memory/sliced.py), at the finest slice count the planner offers
+  (slices of 1024 tokens and more), inputs on the host, the loss in chunks; its predicted peak is
+  ``memory=``'s own prediction for that plan (``Profile.predict`` on fake tensors).
 
 gradaccel variants run one step first (their trace, or the memory target's profile), and every
 variant is measured on one step under ``gradaccel.memory.LiveBytes``. Metrics: ``peak_bytes``
@@ -28,8 +31,9 @@ excluded), ``time`` (that step's seconds, the table shows it over HF checkpointi
 so on a busy machine it is the noisiest figure here),
 ``grad_rel_err`` (the largest parameter-gradient difference from ``torch-nockpt``, over the
 largest gradient), ``predicted_peak`` (the memory target's own prediction of the step peak,
-made on fake tensors: of the plan it chose for ``gradaccel-memory``, and of every block at its
-keep-least plan, which ``gradaccel-keepleast`` runs) with ``peak_vs_predicted``, and
+made on fake tensors: of the plan it chose for ``gradaccel-memory`` and ``gradaccel-least``, of
+every block at its keep-least plan, which ``gradaccel-keepleast`` runs, and of the sliced plan)
+with ``peak_vs_predicted``, and
 ``peak_vs_target`` for ``gradaccel-memory``.
 """
 
@@ -48,7 +52,7 @@ SUITE = "longctx"
 BASELINE = "torch-hf-ckpt"
 TABLE_METRICS = ["peak_bytes", "time", "predicted_peak", "peak_vs_predicted", "peak_vs_target", "grad_rel_err"]
 VARIANTS = ["torch-nockpt", "torch-hf-ckpt", "torch-ckpt-block", "gradaccel-keepleast", "gradaccel-memory",
-            "gradaccel-least"]
+            "gradaccel-least", "gradaccel-sliced"]
 TARGET_SHARE = 0.35  # of HF checkpointing's measured peak: issue 28's target
 
 
@@ -80,7 +84,29 @@ def _checkpoint_each_layer(model) -> None:
         layer.forward = lambda *a, _f=inner, **k: tc.checkpoint(_f, *a, use_reentrant=False, **k)
 
 
-def _variant(name, base, target):
+def _sliced(model, inputs) -> int:
+    """Every block of ``model`` sliced at the finest count, inputs on the host, the loss in chunks
+    (as ``memory=`` sets a plan); returns ``memory=``'s prediction of that step's peak."""
+    from gradaccel.memory.chunked_loss import install_head, set_head
+    from gradaccel.memory.parking import HOST, set_parking
+    from gradaccel.memory.parts import sliced, sliced_count
+    from gradaccel.memory.profile import Profile, find_blocks
+    from gradaccel.memory.target import _step, set_plans
+
+    gradaccel.checkpoint_blocks(model, budget=0, inputs_on_host=True)
+    install_head(model)
+    prof = Profile(model, _step, ((), inputs), grad_hooks=False, prepare=lambda m: set_head(m, True))
+    prof.inputs_on_host = True
+    tokens = inputs["input_ids"].shape[1]
+    plan = sliced(sliced_count(tokens))  # the count the planner offers
+    points = [prof.piece_point(prof.kind_of[i], plan) for i in range(len(prof.blocks))]
+    blocks = find_blocks(model)
+    set_plans(model, blocks, True, [p.plan for p in points])
+    set_parking(blocks, (HOST,) * len(blocks))
+    return prof.predict(points)["peak"]
+
+
+def _variant(name, base, target, inputs):
     model = copy.deepcopy(base)
     if name == "torch-hf-ckpt":
         hf_checkpointing(model)
@@ -96,6 +122,8 @@ def _variant(name, base, target):
         # A target no plan meets (warned): the plan of least predicted peak, inputs on the host
         # where that lowers it, nested blocks, loss in chunks.
         gradaccel.checkpoint_blocks(model, memory=1)
+    elif name == "gradaccel-sliced":
+        model._bench_predicted = _sliced(model, inputs)
     return model
 
 
@@ -162,7 +190,7 @@ def _case(case, base, c, t, variants, gen, device) -> list[dict]:
     gradaccel.reset_plans()
     reference, target, measured, rows = None, None, {}, []
     for name in variants:
-        model = _variant(name, base, target)
+        model = _variant(name, base, target, inputs)
         if name.startswith("gradaccel"):
             _step(model, inputs)  # its trace, or its target's profile and plan
         peak, seconds = _measured(model, inputs)
@@ -181,6 +209,10 @@ def _case(case, base, c, t, variants, gen, device) -> list[dict]:
                 if v in measured:
                     rows += [row(SUITE, case, v, "predicted_peak", p, "B", device),
                              row(SUITE, case, v, "peak_vs_predicted", measured[v] / p, "x", device)]
+        if name == "gradaccel-sliced":
+            p = model._bench_predicted
+            rows += [row(SUITE, case, name, "predicted_peak", p, "B", device),
+                     row(SUITE, case, name, "peak_vs_predicted", peak / p, "x", device)]
         if name == "gradaccel-memory":
             rows.append(row(SUITE, case, name, "peak_vs_target", peak / target, "x", device))
         del model

@@ -91,3 +91,21 @@ class PlainBlock(nn.Module):
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
         return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+def hf_llama(hidden: int, inter: int, layers: int, vocab: int, seq: int):
+    """A Hugging Face Llama causal LM (4 heads, 2 of keys and values, sdpa, fp32), the same
+    weights at every call, in training mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                                   max_position_embeddings=seq, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def token_batch(vocab: int, seq: int) -> dict:
+    """One sequence of ``seq`` token ids (the same at every call), its own labels."""
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids, "labels": ids}

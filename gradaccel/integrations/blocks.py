@@ -16,7 +16,7 @@ __all__ = ["checkpoint_blocks"]
 
 
 def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="flops", offload=False, seq=None,
-                      inputs_on_host=False):
+                      inputs_on_host=False, host_memory=None):
     """Checkpoint each repeated block of ``model`` in place, through ``gradaccel.checkpoint``.
 
     In training mode with grad enabled, each block's forward runs inside
@@ -85,6 +85,10 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
             memory drops by one hidden state per block; ``gradaccel.fit`` chooses it where only
             then a plan fits. Blocks run as their parts (``memory=`` below the per-block floor)
             keep their inputs.
+        host_memory (None | int | str): with ``memory``, the most host memory the parked inputs may
+            take (default: this machine's available memory less a margin). Where parking every
+            block's input would go over it, ``memory=`` parks fewer, or nests two blocks under
+            one parked input, whichever recomputes less (gradaccel/memory/parking.py).
 
     Returns:
         nn.Module: ``model`` itself.
@@ -102,12 +106,14 @@ def checkpoint_blocks(model, budget=None, block_types=None, memory=None, cost="f
             raise ValueError("give checkpoint_blocks either budget (per block) or memory (for all blocks), not both")
         memory = parse_bytes(memory, "memory")
         budget = 0  # keep nothing until the first training call splits memory across the blocks
+    if host_memory is not None and memory is None:
+        raise ValueError("host_memory is what memory= plans may pin on the host: give it with memory=")
     if seq is not None:
         if memory is None:
             raise ValueError("seq is the longest length memory= plans for: give it with memory=")
         check_count(seq, "seq")
     blocks.install(model, budget, block_types, cost, offload, inputs_on_host)
     if memory is not None:
-        model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model, seq, inputs_on_host),
-                                        with_kwargs=True)
+        model.register_forward_pre_hook(MemoryTarget(memory, find_blocks(model), model, seq, inputs_on_host,
+                                                     host_memory), with_kwargs=True)
     return model

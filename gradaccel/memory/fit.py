@@ -40,8 +40,9 @@ from gradaccel.memory.fit_choice import choose, faster_option
 from gradaccel.memory.fit_result import Fit
 from gradaccel.memory.fixed_parts import (OPTIMS, LoRALinear, _period, _suggest, fake_model, hf_step,  # noqa: F401
                                           load_config, static_parts)
+from gradaccel.memory.parking import HOST, PARKED, host_budget, layouts
 from gradaccel.memory.presets import PRESETS
-from gradaccel.memory.parts import slices_of, structure_notes
+from gradaccel.memory.parts import is_sliced, slices_of, structure_notes
 from gradaccel.memory.profile import Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute
 from gradaccel.memory import zero3 as _zero3
@@ -88,6 +89,7 @@ class Planner:
             if load_in_4bit and not lora:
                 raise ValueError("load_in_4bit needs lora: 4-bit weights are frozen, only adapters train")
         self.blocks = len(find_blocks(self.model))
+        self.host_bound = False  # a host budget kept some block's input off the host (Planner.parkings)
         self.zero3 = _zero3.check_ranks(zero3)
         self.static = static_parts(self.model, optim, master_weights, load_in_4bit)
         if self.zero3:
@@ -139,10 +141,22 @@ class Planner:
 
     def fronts(self, prof, offload=False, host=False) -> list:
         """Per block of the model, its kind's plans (``Profile.options``; ``offload``: with offload;
-        ``host``: with the inputs on the host, ``Profile.host_options``)."""
-        layout = self.layout or range(len(prof.blocks))
-        options = prof.host_options if host else prof.options
-        return [options(prof.kind_of[s], offload) for s in layout]
+        ``host``: with the inputs on the host, True for every block or a role per block,
+        ``Profile.host_options``)."""
+        layout = list(self.layout or range(len(prof.blocks)))
+        if host is False:
+            return [prof.options(prof.kind_of[s], offload) for s in layout]
+        roles = (HOST,) * len(layout) if host is True else host
+        return [prof.host_options(prof.kind_of[s], offload, r) for s, r in zip(layout, roles)]
+
+    def parkings(self, prof, host) -> list:
+        """The parking layouts to plan for ``host``: none (False), every block's input (True), or
+        those a host budget in bytes allows (gradaccel/memory/parking.py; True where that is all)."""
+        if isinstance(host, bool):
+            return [host]
+        found = layouts(prof, host, self.layout)
+        self.host_bound = self.host_bound or found != [True]
+        return found
 
     def predict(self, prof, points, exact=True) -> dict:
         out = prof.predict(points, exact=exact, layout=self.layout)
@@ -169,10 +183,13 @@ class Planner:
         points = [chosen[id(prof.kind_of[s])] for s in self.layout or range(len(prof.blocks))]
         return _evaluate(self, seq, micro_batch, micro_batch, points, host=inputs_on_host)
 
-    def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None) -> Fit:
+    def fit(self, seq: int, batch: int, memory, slack=None, micro_batches=None, host_memory=None) -> Fit:
         """See :func:`fit`."""
         memory, slack = memory_and_slack(memory, slack)
         check_count(batch, "batch"), check_count(seq, "seq")
+        budget, host_note = host_budget(host_memory)
+        # What the blocks' parked inputs may take: the budget less the paged optimizer state.
+        inputs = True if budget is None else max(0, budget - self.static.paged)
         usable = memory - slack
         setup = self
         sizes = sorted(micro_batches or [d for d in range(1, batch + 1) if batch % d == 0])
@@ -180,17 +197,22 @@ class Planner:
         host_ok = not self.on_cpu
         notes = [] if host_ok else [CPU_HOST]
 
+        def within(r):  # its host bytes within the budget
+            return budget is None or sum(r.host.values()) <= budget
+
         def fitting(**how):  # the plans that fit at each micro-batch (either loss), smallest first
             out = []
             for mb in sizes:
-                plans = _plans_for(setup, seq, mb, batch, usable, **how)
+                plans = [r for r in _plans_for(setup, seq, mb, batch, usable, **how) if within(r)]
                 if not plans:
                     break  # a larger micro-batch needs more
                 out += plans
             return out
 
-        def answer(r):
-            r.memory, r.slack, r.notes, r._planner = memory, slack, notes, self
+        def answer(r, fits=True):
+            for x in [r] + r.options:
+                x.memory, x.slack, x.host_memory, x.host_note = memory, slack, budget, host_note
+            r.fits, r.notes, r._planner = fits, notes, self
             return r
 
         results = fitting()
@@ -202,16 +224,15 @@ class Planner:
             # recomputing; faster at the same device memory, or not at all (its own micro-batches:
             # offload never lowers the floor of a plan that keeps nothing).
             offloaded = [r for r in (_best_for(setup, seq, x.micro_batch, batch, usable, True, x.chunked_loss)
-                                     for x in results) if r is not None and r.offload]
+                                     for x in results) if r is not None and r.offload and within(r)]
             # Inputs on the host: more room for what the blocks keep, so maybe less recompute.
-            parked = _best_for(setup, seq, best.micro_batch, batch, usable, chunked_loss=best.chunked_loss, host=True)
+            parked = _best_for(setup, seq, best.micro_batch, batch, usable, chunked_loss=best.chunked_loss, host=inputs)
             for option in [min(offloaded, key=lambda r: r.step_cost)] if offloaded else []:
                 if faster_option(option, best):
                     best.options.append(option)
             if parked is not None and faster_option(parked, best):
                 best.options.append(parked)
-            for option in best.options:
-                option.memory, option.slack = memory, slack
+            answer(best)
             if best.options:
                 best.why += ("; the options below are faster but hold host memory, which the fit uses only where no "
                              "plan fits without it (fit.options[i].apply(model, optimizer) takes one)")
@@ -220,27 +241,25 @@ class Planner:
         # apply() installs); otherwise the least this step can take, and what would fit.
         worst = _least_either_loss(setup, seq, batch, False)
         if not host_ok:
-            worst.memory, worst.slack, worst.fits, worst.notes = memory, slack, False, notes
             worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit)
-            return worst
+            return answer(worst, fits=False)
         fits = fitting(offload=True)
         offload = _least_either_loss(setup, seq, batch, True)
-        if not fits and offload.offload and offload.peak <= usable:
+        if not fits and offload.offload and offload.peak <= usable and within(offload):
             fits = [offload]  # the split's estimate missed it; the least-peak plan fits exactly
         parked = None
         if not fits:  # the blocks' inputs on the host, where only then a plan fits
-            fits = fitting(host=True)
+            fits = fitting(host=inputs)
             if not fits:
-                parked = _least_either_loss(setup, seq, batch, False, host=True)
+                parked = _least_either_loss(setup, seq, batch, False, host=inputs)
                 if parked.peak <= usable:
                     fits = [parked]
         if fits:
             return answer(choose(fits))
-        worst.memory, worst.slack, worst.fits = memory, slack, False
         worst.suggestions = _suggest(setup, worst, usable, self.lora, self.load_in_4bit, offload)
         if parked is not None and parked.peak < min(offload.peak, worst.peak):  # the least this step can take, and how
             worst.suggestions += _suggest(setup, worst, usable, self.lora, self.load_in_4bit, parked)[-1:]
-        return worst
+        return answer(worst, fits=False)
 
 
 def _checked_loss(loss_fn, model, batch):
@@ -252,11 +271,15 @@ def _checked_loss(loss_fn, model, batch):
 
 
 def _least(setup: Planner, seq, batch, offload, chunked_loss, host=False) -> Fit:
-    """The plan whose predicted peak is least, at micro-batch 1 (``host``: inputs on the host)."""
+    """The plan whose predicted peak is least, at micro-batch 1 (``host``: inputs on the host,
+    as :meth:`Planner.parkings` takes it; of its layouts, the least peak)."""
     prof = setup.profile(seq, 1, chunked_loss)
-    with _inputs_on_host(prof, host):
-        points = least_peak(prof, setup.fronts(prof, offload, host), setup.layout)
-    return _evaluate(setup, seq, 1, batch, points, chunked_loss=chunked_loss, host=host)
+    out = []
+    for roles in setup.parkings(prof, host):
+        with _inputs_on_host(prof, roles):
+            points = least_peak(prof, setup.fronts(prof, offload, roles), setup.layout)
+        out.append(_evaluate(setup, seq, 1, batch, points, chunked_loss=chunked_loss, host=roles))
+    return min(out, key=lambda r: r.peak)
 
 
 def _least_either_loss(setup: Planner, seq, batch, offload, host=False) -> Fit:
@@ -276,7 +299,7 @@ def memory_and_slack(memory, slack=None) -> tuple:
 
 
 @contextlib.contextmanager
-def _inputs_on_host(prof, on: bool):
+def _inputs_on_host(prof, on):
     """The profile's step terms with the blocks' inputs on the host (``Profile.step_terms``), for a while."""
     was, prof.inputs_on_host = prof.inputs_on_host, on
     try:
@@ -291,7 +314,8 @@ def _chunk_loss(model, on):
 
 
 def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunked_loss=False, host=False) -> Fit:
-    """``points``: the plan of each block of the model; ``host``: their inputs on the host."""
+    """``points``: the plan of each block of the model; ``host``: their inputs on the host (True,
+    or each block's role: gradaccel/memory/parking.py)."""
     prof = setup.profile(seq, micro_batch, chunked_loss)
     with _inputs_on_host(prof, host):
         pred = setup.predict(prof, points, exact)
@@ -322,20 +346,23 @@ def _evaluate(setup: Planner, seq, micro_batch, batch, points, exact=True, chunk
     else:
         parts["optimizer update working set"] = st.step
         phase = "optimizer step"
-    host_inputs, host = host, {"optimizer state, paged (bitsandbytes)": st.paged} if st.paged else {}
+    roles, host = host, {"optimizer state, paged (bitsandbytes)": st.paged} if st.paged else {}
     offloaded = sum(p.host for p in points)
     if offloaded:
         host["activations offloaded by the blocks"] = offloaded
-    if host_inputs:
-        host["block inputs (inputs_on_host)"] = sum(prof.parked_bytes(s) for s in layout)
-    notes = list(dict.fromkeys(n for s, p in zip(layout, points) if slices_of(p.budget) > 0
+    if roles is not False:
+        with _inputs_on_host(prof, roles):
+            parked = [r in PARKED for r in prof.roles(len(layout))]
+        host["block inputs (inputs_on_host)"] = sum(prof.parked_bytes(s) for s, on in zip(layout, parked) if on)
+    notes = list(dict.fromkeys(n for s, p in zip(layout, points) if slices_of(p.budget) > 0 and not is_sliced(p.budget)
                                for n in structure_notes(prof.blocks[s])))
     return Fit(seq, micro_batch, batch // micro_batch, [p.budget for p in points], sum(p.kept for p in points),
                st.total + step, parts, str(phase), (base + recompute) / base,
                sum(p.flops for p in points) + head,
                (batch // micro_batch) * (base + recompute), (batch // micro_batch) * measured, host=host,
-               offload=bool(offloaded), chunked_loss=chunked_loss, inputs_on_host=host_inputs, parts_notes=notes,
-               made_for=setup.made_for, zero3=setup.zero3)
+               offload=bool(offloaded), chunked_loss=chunked_loss, inputs_on_host=roles is not False, parts_notes=notes,
+               made_for=setup.made_for, zero3=setup.zero3, parking=None if isinstance(roles, bool) else tuple(roles),
+               context=getattr(getattr(setup.model, "config", None), "max_position_embeddings", None))
 
 
 def estimate(model, seq: int, micro_batch: int, budget=None, *, optim="adamw", lora=None, load_in_4bit=False,
@@ -377,22 +404,27 @@ def _plans_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, h
 def _best_for(setup: Planner, seq, micro_batch, batch, usable, offload=False, chunked_loss=False, host=False) -> Fit | None:
     """The fastest plan at this micro-batch whose predicted peak fits ``usable`` bytes (with
     ``offload``: among the plans of ``gradaccel.checkpoint(..., offload=True)``; ``chunked_loss``:
-    the loss in chunks; ``host``: the blocks' inputs on the host)."""
+    the loss in chunks; ``host``: the blocks' inputs on the host, as :meth:`Planner.parkings`
+    takes it, the fastest of its layouts)."""
     prof = setup.profile(seq, micro_batch, chunked_loss)
     room = usable - setup.static.total - setup._dequantised(prof)  # for the step's activations
     if setup.static.step > room:
         return None
-    with _inputs_on_host(prof, host):
-        points = least_recompute(prof, setup.fronts(prof, offload, host), room, layout=setup.layout)
-    if points is None:
-        return None
-    result = _evaluate(setup, seq, micro_batch, batch, points, chunked_loss=chunked_loss, host=host)
-    return result if result.peak <= usable else None
+    best = None
+    for roles in setup.parkings(prof, host):
+        with _inputs_on_host(prof, roles):
+            points = least_recompute(prof, setup.fronts(prof, offload, roles), room, layout=setup.layout)
+        if points is None:
+            continue
+        result = _evaluate(setup, seq, micro_batch, batch, points, chunked_loss=chunked_loss, host=roles)
+        if result.peak <= usable and (best is None or result.step_cost < best.step_cost):
+            best = result
+    return best
 
 
 def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_in_4bit=False,
         dtype=torch.bfloat16, master_weights=False, slack=None, micro_batches=None, make_batch=None,
-        loss_fn=None, zero3=None, device=None) -> Fit:
+        loss_fn=None, zero3=None, device=None, host_memory=None) -> Fit:
     """The fastest way to train ``batch`` sequences of ``seq`` tokens per step in ``memory``.
 
     Tries micro-batch sizes that divide ``batch`` (or ``micro_batches``); for each, the
@@ -438,6 +470,12 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
             a module's own, and an accelerator for a preset or a config. On a CPU device the
             host is the device: plans with offload or the inputs on the host save nothing there,
             and are not offered (``notes`` says so).
+        host_memory: the host memory the plan may pin (parked block inputs, offloaded
+            activations, paged optimizer state): bytes or a string such as "64GiB"; default this
+            machine's available memory less a margin (gradaccel/memory/parking.py), stated in the
+            table; ``float("inf")`` for no limit. Where parking every block's input would go over
+            it, the fit parks fewer, or nests two blocks under one parked input, whichever
+            recomputes less (``Fit.parking``).
 
     Returns:
         Fit: micro-batch, accumulation steps, per-block budgets, predicted peak with its parts
@@ -458,4 +496,4 @@ def fit(model, seq: int, batch: int, memory, *, optim="adamw", lora=None, load_i
     """
     planner = Planner(model, optim, lora, load_in_4bit, dtype, master_weights, make_batch, loss_fn,
                       zero3=zero3, device=device)
-    return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches)
+    return planner.fit(seq, batch, memory, slack=slack, micro_batches=micro_batches, host_memory=host_memory)

@@ -84,6 +84,10 @@ def _parser():
     ap.add_argument("--slack", type=_bytes(), default=None,
                     help="bytes left to the allocator, with a unit, or 0 (default: 5%% of --memory, plus "
                          "512MiB where --memory is over 4GiB)")
+    ap.add_argument("--host-memory", type=_bytes(), default=None,
+                    help="host memory the plan may pin (parked block inputs, offloaded activations, paged "
+                         "optimizer state), with its unit: 64GiB (default: this machine's available memory less "
+                         "10%%, at least 2GiB; the table's 'host budget' line says which)")
     ap.add_argument("--granule", type=_count("granule"), default=1024,
                     help="with --max-seq: the answer is a multiple of this many tokens (default: 1024)")
     ap.add_argument("--option", type=_count("option"), default=None, metavar="K",
@@ -100,7 +104,7 @@ def main(argv=None) -> int:
     if a.max_seq == (a.seq is not None):
         ap.error("give --seq or --max-seq (one of them)")
     kwargs = dict(optim=a.optim, lora=a.lora, load_in_4bit=a.load_in_4bit, dtype=getattr(torch, a.dtype),
-                  master_weights=a.master_weights, slack=a.slack)
+                  master_weights=a.master_weights, slack=a.slack, host_memory=a.host_memory)
     try:
         if a.max_seq:
             result = max_seq(a.model, a.memory, batch=a.batch, granule=a.granule, **kwargs)
@@ -133,4 +137,7 @@ def _longest_line(result, memory) -> str:
                 + (", block inputs on host" if result.inputs_on_host else "") + ")")
     if result.longer is not None:
         head += f"; at {result.longer[0]} tokens the least peak is {format_bytes(result.longer[1])}"
+    if result.host_cost is not None:
+        head += (f"; the host budget cost {result.host_cost[0] - result.seq} tokens ({result.host_cost[0]} "
+                 f"without it, with {format_bytes(result.host_cost[1])} on host)")
     return head

@@ -13,6 +13,7 @@ from gradaccel.memory.chunked_loss import install_head
 from gradaccel.memory import fit_table
 from gradaccel.memory.fit_check import MicroBatchGuard, check
 from gradaccel.memory.fit_lengths import FittedLengths
+from gradaccel.memory.parking import HOST, set_parking
 from gradaccel.memory.profile import find_blocks
 from gradaccel.memory.target import set_plans
 from gradaccel.recompute import blocks as blocks_mod
@@ -27,7 +28,7 @@ class Fit:
     seq: int
     micro_batch: int
     accum_steps: int
-    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint, or "parts" / "tiles:n"
+    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint, or a plan named in parts.py
     kept: int  # bytes the blocks keep in total beyond their inputs
     peak: int  # predicted peak of the step, slack excluded
     parts: dict  # what the peak is made of (bytes)
@@ -51,6 +52,11 @@ class Fit:
     why: str = ""  # why this plan and not the next one (gradaccel/memory/fit_choice.py)
     notes: list = dataclasses.field(default_factory=list)  # what the fit did not offer, and why
     zero3: int | None = None  # DeepSpeed ZeRO-3 over this many ranks (gradaccel/memory/zero3.py)
+    parking: tuple | None = None  # per block, its role where not every input is parked (gradaccel/memory/parking.py)
+    host_memory: int | None = None  # the host budget the plan's host bytes stay within (None: no limit)
+    host_note: str = ""  # where the host budget comes from
+    host_cost: tuple | None = None  # max_seq: (the longest length without the host budget, its host bytes)
+    context: int | None = None  # the model's trained context (its config's max_position_embeddings)
 
     def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, force: bool = False, **kwargs):
         """Checkpoints ``model``'s blocks with the fitted budgets (``checkpoint_blocks``: the model
@@ -78,6 +84,8 @@ class Fit:
         blocks_mod.install(model, offload=self.offload, inputs_on_host=self.inputs_on_host)
         blocks = find_blocks(model)
         set_plans(model, blocks, self.chunked_loss, self.budgets)
+        if self.inputs_on_host:
+            set_parking(blocks, self.parking or (HOST,) * len(blocks))
         model.register_forward_pre_hook(MicroBatchGuard(self.micro_batch, force), with_kwargs=True)
         planner = getattr(self, "_planner", None)  # set by Planner.fit; not a field (to_dict)
         if planner is not None and not (self.offload or self.inputs_on_host) and self.memory is not None:

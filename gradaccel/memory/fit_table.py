@@ -8,7 +8,8 @@ flag that prints it in full."""
 import re
 
 from gradaccel.memory.counter import format_bytes
-from gradaccel.memory.parts import is_nested, slices_of
+from gradaccel.memory.parking import describe
+from gradaccel.memory.parts import is_nested, is_sliced, slices_of
 from gradaccel.memory.profile import KEEP_ALL
 
 __all__ = ["table", "modes", "summary", "phase_words"]
@@ -34,7 +35,8 @@ def table(fit) -> str:
     head = [f"micro-batch {fit.micro_batch} x {fit.accum_steps} accumulation steps, sequence {fit.seq}"
             + (", loss in chunks (no whole logits made)" if fit.chunked_loss else "")
             + (f", offload=True ({format_bytes(host)} on host)" if fit.offload else "")
-            + (f", block inputs on host ({format_bytes(host)} on host)" if fit.inputs_on_host else "")
+            + (f", block inputs on host ({format_bytes(host)} on host"
+               + (f": {describe(fit.parking)})" if fit.parking else ")") if fit.inputs_on_host else "")
             + ("" if fit.fits else "  (DOES NOT FIT)"),
             *([f"DeepSpeed ZeRO-3 over {fit.zero3} ranks: weights, gradient, masters and optimizer state counted "
                f"as this rank's 1/{fit.zero3}, plus the most weights gathered whole at once (a block, or the "
@@ -48,10 +50,15 @@ def table(fit) -> str:
             (f"predicted peak, at {phase_words(fit.phase)}", fit.peak),
             ("allocator slack (reserved, not measured)", fit.slack),
             *((f"host: {name}", value) for name, value in fit.host.items()),
-            *((("target", fit.memory),) if fit.memory is not None else ())]
+            *((("target", fit.memory),) if fit.memory is not None else ()),
+            *((("host budget", fit.host_memory),) if fit.host_note else ())]
     width = max(len(name) for name, _ in rows + [("part", 0)])
     lines = head + [f"{'part':<{width}} {'bytes':>12}"]
-    lines += [f"{name:<{width}} {format_bytes(value):>12}" for name, value in rows]
+    lines += [f"{name:<{width}} {_bytes(value):>12}" + (f"  ({fit.host_note})" if name == "host budget" else "")
+              for name, value in rows]
+    if fit.context is not None and fit.seq > fit.context:
+        lines.append(f"note: {fit.seq} tokens is past the {fit.context} the model was trained to (its config's "
+                     "max_position_embeddings): scaling its rope further (YaRN, ...) is the user's choice")
     lines += [f"why: {fit.why}"] if fit.why else []
     lines += [f"note: {n}" for n in fit.notes]
     lines += [f"advice: {s}" for s in fit.suggestions]
@@ -60,10 +67,16 @@ def table(fit) -> str:
     return "\n".join(lines)
 
 
+def _bytes(value) -> str:
+    return "no limit" if value is None else format_bytes(value)
+
+
 def modes(fit) -> str:
     """Each block's plan, runs of equal plans together: "0-13: keep up to 1.00 KiB; 14-31: parts"."""
     def name(b):
         n = slices_of(b)
+        if is_sliced(b):
+            return f"sliced, {n} slices of {-(-fit.seq // n)} tokens, K/V whole"
         if n:
             mlp = "" if n == 1 else f", MLP in {n} slices of {-(-fit.seq // n)} tokens"
             return ("keep nothing, rebuilt as parts" if is_nested(b) else "parts") + mlp

@@ -2,6 +2,10 @@
 of their own; in "tiles" mode a token-wise child (an MLP) runs a slice of the sequence at a
 time, each slice its own checkpoint.
 
+Every plan that is not a byte budget is named here, in one place: ``"parts"``, ``"tiles:n"``
+and ``"nested:n"`` (this module's), ``"sliced:n"`` (the whole block ``n`` slices of the sequence
+at a time, keys and values whole: gradaccel/memory/sliced.py); :func:`slices_of` reads ``n``.
+
 Below the per-block floor, backward's working set is what counts: a block run as parts rebuilds
 one part at a time, not the whole block while every gradient made so far is alive; with tiles,
 the MLP's rebuild is O(slice x width), not O(tokens x width). The number of slices is the
@@ -35,15 +39,18 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from gradaccel.memory.sliced import why_not
 from gradaccel.recompute import compiled
 from gradaccel.recompute.blocks import model_class
 
 __all__ = ["has_parts", "has_tiles", "install_parts", "set_parts", "slice_counts", "slices_of", "tiles",
-           "nested", "is_nested", "is_parts", "check_structure", "structure_notes"]
+           "nested", "is_nested", "sliced", "sliced_count", "is_sliced", "is_parts", "check_structure",
+           "structure_notes"]
 
 TILE_CHUNKS = 4  # slices offered where the sequence is too short for MIN_SLICE-token slices
 MIN_SLICE = 1024  # tokens: shorter slices make small matmuls and save little more
 SLICE_OPTIONS = 4  # slice counts offered at most (each is a block run in the profile)
+SLICED_MAX = 256  # a sliced plan's most slices: past it the peak drops little, and the profile's run takes long
 PARTS = "parts"
 
 
@@ -58,12 +65,19 @@ def nested(n: int) -> str:
     return f"nested:{int(n)}"
 
 
+def sliced(n: int) -> str:
+    """The plan name of the whole block in ``n`` slices of the sequence, keys and values whole
+    (gradaccel/memory/sliced.py): ``"sliced:n"``."""
+    return f"sliced:{int(n)}"
+
+
 def slices_of(setting) -> int:
-    """Slices of a parts plan's token-wise parts: 1 for ``"parts"``, ``n`` for ``"tiles:n"`` and
-    ``"nested:n"``, 0 for any other setting (a checkpoint budget, None, "all")."""
+    """Slices of a plan that runs the block in pieces: 1 for ``"parts"``, ``n`` for ``"tiles:n"``,
+    ``"nested:n"`` and ``"sliced:n"``, 0 for any other setting (a checkpoint budget, None, "all").
+    Such plans are run in the profile (their peak is measured, not estimated)."""
     if setting == PARTS:
         return 1
-    for prefix in ("tiles:", "nested:"):
+    for prefix in ("tiles:", "nested:", "sliced:"):
         if isinstance(setting, str) and setting.startswith(prefix):
             return int(setting[len(prefix):])
     return 0
@@ -74,10 +88,16 @@ def is_nested(setting) -> bool:
     return isinstance(setting, str) and setting.startswith("nested:")
 
 
+def is_sliced(setting) -> bool:
+    """Whether ``setting`` runs the whole block a slice of the sequence at a time (``"sliced:n"``)."""
+    return isinstance(setting, str) and setting.startswith("sliced:")
+
+
 def is_parts(setting) -> bool:
     """Whether ``setting`` runs a block as its parts, uncheckpointed itself (``"parts"`` or
-    ``"tiles:n"``; a nested plan checkpoints the block: :func:`is_nested`)."""
-    return slices_of(setting) > 0 and not is_nested(setting)
+    ``"tiles:n"``; a nested plan checkpoints the block: :func:`is_nested`; a sliced one is a
+    node of its own that holds its input alone: :func:`is_sliced`)."""
+    return slices_of(setting) > 0 and not is_nested(setting) and not is_sliced(setting)
 
 
 def slice_counts(tokens: int) -> list:
@@ -92,6 +112,12 @@ def slice_counts(tokens: int) -> list:
     if not counts:
         return [TILE_CHUNKS] if tokens >= TILE_CHUNKS else []
     return counts[-SLICE_OPTIONS:]
+
+
+def sliced_count(tokens: int) -> int:
+    """The slice count a sliced plan is offered at for ``tokens`` tokens: the finest of
+    :func:`slice_counts`, at most SLICED_MAX (0 where none is)."""
+    return min(max(slice_counts(tokens), default=0), SLICED_MAX)
 
 
 # -- parts: a block's children as their own checkpoints -----------------------------------------
@@ -302,4 +328,7 @@ def structure_notes(block: nn.Module) -> list:
                                                     else "") for n, c, _ in joins]
     if not has_tiles(block):
         lines.append("no token-wise part (an MLP of linear layers): nothing is sliced")
+    why = why_not(block)
+    if why is not None:
+        lines.append(f"no sliced plan (the block a slice at a time, K/V whole): {why}")
     return lines + notes

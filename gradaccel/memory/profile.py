@@ -16,62 +16,35 @@ with ``p``'s frame (:meth:`Profile.block_peak`). :meth:`Profile.predict` compose
 step with any per-block plans from those measurements; see its docstring.
 """
 
-import copy
 import dataclasses
 import functools
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_map
 
-from gradaccel.recompute.frames import Frame, OffloadFrame, TraceFrame
-from gradaccel.recompute.plan import Planner, capture_rng, copy_device, offload_cost_per_byte
+from gradaccel.recompute.frames import TraceFrame
+from gradaccel.recompute.plan import capture_rng, copy_device, offload_cost_per_byte
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.trace import DataReads, Graph
-from gradaccel.recompute.checkpoint import _Region, _plain
-from gradaccel.memory import zero3
 from gradaccel.memory.counter import LiveBytes, Trajectory
-# Plans other than a budget (PARTS, "tiles:n", "nested:n"): the block's children as checkpoints
-# of their own (gradaccel/memory/parts.py).
-from gradaccel.memory.parts import (PARTS, check_structure, has_parts, has_tiles, is_nested, is_parts, nested,
-                                    set_parts, slice_counts, slices_of, tiles)
+# A block kind, its plans, and running a block under one (gradaccel/memory/kinds.py); plans other
+# than a budget (PARTS, "tiles:n", "nested:n", "sliced:n") are named in gradaccel/memory/parts.py.
+from gradaccel.memory.kinds import (KEEP_ALL, Kind, Point, block_kind, cheaper_front, fake_copy,  # noqa: F401
+                                    fake_mode, run_plan)
+from gradaccel.memory.parts import (PARTS, check_structure, has_parts, has_tiles, is_nested, is_parts, is_sliced,
+                                    nested, set_parts, slice_counts, sliced, sliced_count, slices_of, tiles)
+from gradaccel.memory.parking import DEVICE, HOST, PAIR, PAIRED, PARKED
+from gradaccel.memory.sliced import kv_flops, why_not
 from gradaccel.recompute.blocks import _find_blocks, _find_by_type, _find_checkpointed, model_class
 
-KEEP_ALL = "all"  # the plan of a block run without checkpointing
 RUNS = [0]  # fake-tensor profiles made in this process (one per Profile): what planning costs
 
 
 def profile_runs() -> int:
     """How many fake-tensor profiles (:class:`Profile`, one per input shape) this process made."""
     return RUNS[0]
-
-
-def fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def fake_copy(model: nn.Module, mode) -> nn.Module:
-    """``model`` with every parameter and buffer replaced by a fake tensor of the same shape,
-    dtype and ``requires_grad`` (shared weights stay shared); ``model`` itself is untouched. A
-    parameter DeepSpeed ZeRO-3 shards is copied at its whole shape, and the copy runs without
-    ZeRO-3's module hooks (gradaccel/memory/zero3.py)."""
-    memo = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in memo:
-            shape = zero3.whole_shape(t)
-            if shape == t.shape:
-                f = mode.from_tensor(t.detach())
-            else:
-                with mode:
-                    f = torch.empty(shape, dtype=t.dtype, device=t.device)
-            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
-    fake = copy.deepcopy(model, memo)
-    zero3.without_engine_hooks(fake)
-    return fake
 
 
 def find_blocks(model: nn.Module) -> list:
@@ -85,110 +58,6 @@ def find_blocks(model: nn.Module) -> list:
     found = _find_by_type(model, [GradientCheckpointingLayer]) if GradientCheckpointingLayer is not None else []
     return found or _find_checkpointed(model) or _find_blocks(model)
 
-
-_ABSENT = object()
-
-
-def block_kind(block: nn.Module) -> tuple:
-    """Blocks with equal kinds trace alike: class, parameter shapes, dtypes and trainability,
-    and plain settings (``attention_type``, ``eps``), except layer indices, gradaccel's own
-    plan settings (``_gradaccel_budget``, parts on or off: inputs of a plan, which the profile
-    chooses itself) and settings equal to their class's default (``gradient_checkpointing =
-    False`` once set on the instance)."""
-    parts = []
-    for name, m in block.named_modules():
-        attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
-                             if _plain(v) and not k.endswith(("idx", "index")) and not k.startswith("_gradaccel_")
-                             and getattr(type(m), k, _ABSENT) != v))
-        params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in m._parameters.items() if p is not None)
-        parts.append((name, type(m).__qualname__, attrs, params))
-    return tuple(parts)
-
-
-@dataclasses.dataclass
-class Point:
-    """One plan of a block kind: the budget that gives it and what it keeps and costs."""
-
-    budget: int
-    kept: int
-    cost: float
-    flops: int
-    replay_bytes: int  # what replay holds at once (Plan.replay_peak: it lets go of each storage after its last read)
-    plan: object
-    host: int = 0  # bytes sent to host memory (checkpoint(..., offload=True)); not in ``kept``
-    copy: float = 0.0  # the part of ``cost`` that is those bytes' copies, priced at the measured copy speed
-
-    @property
-    def key(self):
-        return ("offload", self.budget) if self.host else self.budget
-
-
-@dataclasses.dataclass
-class Kind:
-    key: tuple
-    blocks: list  # indices into Profile.blocks
-    graph: Graph = None
-    args: tuple = ()
-    kwargs: dict = dataclasses.field(default_factory=dict)
-    zero: Point = None
-    forward_cost: float = 0.0  # the planner's cost of one forward of the block
-    input_grads: tuple = ()  # which tensor inputs require grad, in the traced call
-    _peaks: dict = dataclasses.field(default_factory=dict)
-    _options: list = None  # the parts plans (Profile.options)
-    events: dict = dataclasses.field(default_factory=dict)  # point key -> (live bytes after each op, forward's end)
-
-    @functools.cached_property
-    def frontier(self) -> list:
-        """Plans from keeping least to keeping all, each cheaper to recompute than the last."""
-        return _points(self)
-
-    @functools.cached_property
-    def planner(self) -> Planner:
-        """The block's graph in the C++ planner's terms, made once for all its plans."""
-        return Planner(self.graph)
-
-    def plan_at(self, budget: int) -> Point:
-        """The plan ``gradaccel.checkpoint`` makes at ``budget`` bytes (its own planning code)."""
-        plan = _Region("profile", self.graph, budget, [], planner=self.planner).plan
-        return Point(budget, plan.kept_bytes, plan.cost, plan.recompute_flops, plan.replay_peak, plan)
-
-    def offload_at(self, budget: int) -> Point:
-        """The plan ``gradaccel.checkpoint(..., offload=True)`` makes at ``budget`` bytes: what the
-        budget leaves out goes to host memory where the copy costs less than its recompute (the
-        checkpoint's own planner, at this machine's measured copy cost). ``cost`` includes the
-        copies; ``kept`` is what stays on the device."""
-        plan = _Region("profile", self.graph, budget, [], store=_FAKE_STORE).plan
-        if not plan.offloaded:
-            return self.plan_at(budget)
-        copy = offload_cost_per_byte(copy_device(self.graph), self.graph.cost) * plan.offloaded_bytes
-        return Point(budget, plan.kept_bytes, plan.cost + copy, plan.recompute_flops, plan.replay_peak, plan,
-                     host=plan.offloaded_bytes, copy=copy)
-
-    @functools.cached_property
-    def offload_frontier(self) -> list:
-        """As :attr:`frontier`, with offload."""
-        return _points(self, at=self.offload_at)
-
-
-def _points(kind: Kind, steps: int = 24, at=None) -> list:
-    total = kind.graph.activation_bytes
-    seen, out = set(), []
-    for j in range(steps + 1):
-        p = (at or kind.plan_at)(max(1, total * j // steps))
-        if p.kept not in seen:
-            seen.add(p.kept)
-            out.append(p)
-    out.sort(key=lambda p: p.kept)
-    return cheaper_front(out)
-
-
-def cheaper_front(points: list) -> list:
-    """``points`` (plans sorted by the bytes they keep) less those that keep more and cost no less."""
-    front = []
-    for p in points:
-        if not front or p.cost < front[-1].cost:
-            front.append(p)
-    return front
 
 
 class Profile:
@@ -281,7 +150,7 @@ class Profile:
             kind.blocks.append(i)
             self.kind_of[i] = kind
         if kind.graph is not None:
-            return _run_plan(forward, kind.zero.plan, args, kwargs)
+            return run_plan(forward, kind.zero.plan, args, kwargs)
         kind.input_grads = grads
         graph = Graph(flat, True)
         devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
@@ -323,7 +192,7 @@ class Profile:
         live = self.live
         live.set_phase(("fwd", i))
         self.pre[i] = live.live
-        out = _run_plan(forward, self.plans[i], args, kwargs)
+        out = run_plan(forward, self.plans[i], args, kwargs)
         self.held[i] = live.live
         first = tree_flatten(out)[0][0]
         if first.requires_grad:
@@ -386,7 +255,7 @@ class Profile:
                 t.grad = None
             try:
                 with self.mode, torch.enable_grad(), live:
-                    out = _run_plan(forward, plan, kind.args, kind.kwargs)
+                    out = run_plan(forward, plan, kind.args, kind.kwargs)
                     forward_peak, held, forward_end = live.peak, live.live, len(getattr(live, "trace", ()))
                     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
                     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
@@ -436,29 +305,56 @@ class Profile:
         keep more (their parts' inputs), but rebuild one part at a time, so backward's working
         set is smaller: a filter on kept bytes would drop them, the split on the peak's terms
         (gradaccel/memory/split.py) weighs them. Tiles are offered at a few slice counts
-        (``parts.slice_counts`` of the block's tokens: the slice is the split's choice)."""
+        (``parts.slice_counts`` of the block's tokens: the slice is the split's choice); a sliced
+        plan, where the block is one that runs sliced (gradaccel/memory/sliced.py: the whole
+        block a slice at a time, K/V whole, holding its input alone), at the finest of them."""
         if kind._options is None:
-
-            block, zero = self.blocks[kind.blocks[0]], kind.zero
-            self.block_peak(kind, zero)
-            kind._options = []
+            block = self.blocks[kind.blocks[0]]
             plans = [PARTS] if has_parts(block) else []
+            counts = slice_counts(_tokens(kind))
             if plans:
                 with self.mode:  # which norms may run inside their consumer (parts.check_structure)
                     check_structure(block, kind.args, kind.kwargs)
-                counts = slice_counts(_tokens(kind)) if has_tiles(block) else []
-                plans += [tiles(n) for n in counts]
+                tile_counts = counts if has_tiles(block) else []
+                plans += [tiles(n) for n in tile_counts]
                 # Parts inside a keep-nothing checkpoint: at the finest slices (their peak is the
                 # least; what they hold is the block's input alone, whatever the slices).
-                plans.append(nested(max(counts, default=1)))
-            for plan in plans:
-                # A nested plan rebuilds the block in backward, and the parts once more in it.
-                twice = 2 if is_nested(plan) else 1
-                point = Point(plan, zero.kept, twice * zero.cost, twice * zero.flops, 0, plan)
-                self.block_peak(kind, point)
-                point.kept += kind._peaks[plan][2] - kind._peaks[zero.key][2]  # held after forward
-                kind._options.append(point)
+                plans.append(nested(max(tile_counts, default=1)))
+            if why_not(block) is None and counts:
+                # At the finest slices only: sliced plans recompute the same at any count (as
+                # priced), so the split would take the lowest peak, the finest, anyway.
+                plans.append(sliced(sliced_count(_tokens(kind))))
+            kind._options = [self.piece_point(kind, plan) for plan in plans]
         return (kind.offload_frontier if offload else kind.frontier) + kind._options
+
+    def piece_point(self, kind: Kind, plan: str) -> Point:
+        """The point of a plan that runs a block of ``kind`` in pieces (``"parts"``,
+        ``"tiles:n"``, ``"nested:n"``, ``"sliced:n"``): its block run alone for its peaks, what it
+        holds after forward beyond keep-nothing's, and what it recomputes (:meth:`_recompute_of`)."""
+        zero = kind.zero
+        self.block_peak(kind, zero)
+        point = Point(plan, zero.kept, *self._recompute_of(kind, plan), 0, plan)
+        self.block_peak(kind, point)
+        point.kept += kind._peaks[plan][2] - kind._peaks[zero.key][2]  # held after forward
+        return point
+
+    def _recompute_of(self, kind: Kind, plan) -> tuple:
+        """(cost, FLOPs) a plan that runs the block in pieces recomputes: keep-nothing's (every op
+        once); a nested plan twice that (the block in backward, and its parts once more in it); a
+        sliced plan keep-nothing's plus the K/V projections once more (priced at keep-nothing's
+        cost per FLOP). The pieces' own traces are not priced: a sliced causal attention counts
+        fewer FLOPs than the whole one by torch's formula, which does not discount the mask."""
+        zero = kind.zero
+        if is_nested(plan):
+            return 2 * zero.cost, 2 * zero.flops
+        if is_sliced(plan):
+            if kind._kv_flops is None:
+                x, cos_sin = kind.args[0], kind.kwargs["position_embeddings"]
+                with self.mode:
+                    kind._kv_flops = kv_flops(self.blocks[kind.blocks[0]], x, *cos_sin)
+            per_flop = zero.cost / zero.flops if zero.flops else 0.0
+            return zero.cost + per_flop * kind._kv_flops, zero.flops + kind._kv_flops
+        return zero.cost, zero.flops
 
     # -- composing a step --------------------------------------------------------------------
     def step_terms(self, layout: list | None = None) -> dict:
@@ -471,28 +367,37 @@ class Profile:
         blocks hold, bytes live at the phase's start)`` at keep-nothing plans.
         """
         layout = list(range(len(self.blocks))) if layout is None else list(layout)
-        key = (tuple(layout), self.inputs_on_host)
+        key = (tuple(layout), self.inputs_on_host if isinstance(self.inputs_on_host, bool) else tuple(self.inputs_on_host))
         if key in self._terms:
             return self._terms[key]
         ph, pre, held = self.phases, self.pre, self.held
         # Inputs on the host: block i's input leaves the device when its forward ends (its private
         # copy made for the forward is live during it) and comes back when its backward starts,
-        # with block i-1's prefetched: ``away`` bytes of inputs are off the device.
-        away, prev = 0, 0
+        # with the input parked before it prefetched: ``away`` bytes of inputs are off the device.
+        # A pair (gradaccel/memory/parking.py) parks its first block's input when the second's
+        # forward ends, and the second's input is not held: both are back in the second's backward.
+        away, last, pending = 0, 0, None  # last: the input parked last; pending: (bytes, last) of a pair's first
         fixed = [(ph["pre"][1], "pre", 0, ph["pre"][0])]
         if "tail" in ph:
             fixed.append((ph["tail"][1], "tail", 0, ph["tail"][0]))
         H, blocks, fwd, bwd = pre[0], 0, [], []
-        for i, s in enumerate(layout):
+        for i, (s, role) in enumerate(zip(layout, self.roles(len(layout)))):
             H += pre[s] - (held[s - 1] if s > 0 else pre[0])
-            mine = self.parked_bytes(s) if self.inputs_on_host else 0
-            fwd.append((H - away + ph[("fwd", s)][1] - pre[s] + mine, ("fwd", i), blocks - away, H - away))
+            mine = self.parked_bytes(s) if role in PARKED else 0
+            copy = mine + (pending[0] if role == PAIRED else 0)  # private copies on the device in this forward
+            fwd.append((H - away + ph[("fwd", s)][1] - pre[s] + copy, ("fwd", i), blocks - away, H - away))
             H += held[s] - pre[s]
             blocks += held[s] - pre[s]
             start, peak = ph[("bwd", s)]
+            prev = 0 if role == DEVICE else (pending[1] if role == PAIRED else last)  # prefetched meanwhile
             bwd.append((H - away + prev + peak - held[s], ("bwd", i), blocks - away + prev,
                         H - away + prev + start - held[s]))
-            away, prev = away + mine, mine
+            if role == PAIR:
+                pending = (mine, last)
+            elif role == PAIRED:
+                away, last, pending = away + pending[0] + self.parked_bytes(s), pending[0], None
+            elif role == HOST:
+                away, last = away + mine, mine
         last = len(self.blocks) - 1
         head = (H - away + ph["head"][1] - held[last], "head", blocks - away, H - away + ph["head"][0] - held[last])
         self._terms[key] = {"layout": layout, "fixed": max(fixed, key=_first), "fwd": fwd, "bwd": bwd, "head": head}
@@ -506,9 +411,23 @@ class Profile:
         args = self.kind_of[s].args
         return parked_bytes(args[0]) if args and s not in self.pinned_inputs else 0
 
-    def host_options(self, kind: Kind, offload: bool = False) -> list:
-        """:meth:`options` with the inputs on the host: a block run as its parts keeps its input
-        on the device (it is not one checkpoint), so its kept bytes grow by it."""
+    def roles(self, n: int) -> tuple:
+        """Each of ``n`` blocks' role (gradaccel/memory/parking.py) under ``inputs_on_host``: True,
+        every block parked; False, none; or the roles themselves."""
+        if isinstance(self.inputs_on_host, bool):
+            return ((HOST if self.inputs_on_host else DEVICE),) * n
+        return tuple(self.inputs_on_host)
+
+    def host_options(self, kind: Kind, offload: bool = False, role: str = HOST) -> list:
+        """:meth:`options` for a block whose role is ``role`` (gradaccel/memory/parking.py). Parked
+        (``HOST``): a block run as its parts keeps its input on the device (it is not one
+        checkpoint), so its kept bytes grow by it. In a pair: sliced plans only, each recomputing
+        one forward of the block more (the pair's checkpoint runs it again in backward)."""
+        if role in (PAIR, PAIRED):
+            return [dataclasses.replace(p, cost=p.cost + kind.forward_cost, flops=p.flops + kind.zero.flops)
+                    for p in self.options(kind, offload) if is_sliced(p.plan)]
+        if role == DEVICE:
+            return self.options(kind, offload)
         inp = self.parked_bytes(kind.blocks[0])
         return [dataclasses.replace(p, kept=p.kept + inp) if is_parts(p.plan) else p
                 for p in self.options(kind, offload)]
@@ -520,7 +439,9 @@ class Profile:
         start (``offload_cost_per_byte``: a round trip, taken as half each way)."""
         layout = list(range(len(self.blocks))) if layout is None else list(layout)
         total = 0.0
-        for s in layout:
+        for s, role in zip(layout, self.roles(len(layout))):
+            if role not in PARKED:
+                continue
             kind = self.kind_of[s]
             one_way = offload_cost_per_byte(copy_device(kind.graph), kind.graph.cost) * self.parked_bytes(s) / 2
             total += max(0.0, one_way - kind.forward_cost) + max(0.0, one_way - 2 * kind.forward_cost)
@@ -615,82 +536,3 @@ def _mark(live, label, grad):
 
 def _drop_grad(p):
     p.grad = None
-
-
-class _SharedFrame(Frame):
-    """A frame for a plan traced on another block of the same kind. The k-th saved tensor is
-    kept or dropped as the plan says; only the autograd node that made it may differ (the first
-    block's input comes from the embedding, the others' from a residual add)."""
-
-    def _as_traced(self, t: torch.Tensor, pack) -> bool:
-        return t.dtype == pack.dtype and tuple(t.shape) == pack.size
-
-    def _diverge(self, t: torch.Tensor):
-        raise RuntimeError("gradaccel.fit: blocks of one kind saved different tensors; profile them apart")
-
-
-class _SharedOffloadFrame(_SharedFrame, OffloadFrame):
-    pass
-
-
-class _FakeStore:
-    """An ActivationStore for fake tensors, with the real one's device memory: an offloaded
-    storage leaves the device (its host copy is not device memory), and ``prefetch``/``fetch``
-    bring it back as a new device tensor, held until fetched and released."""
-
-    def __init__(self):
-        self.entries, self.staged = {}, {}
-
-    def offload(self, whole):
-        handle = len(self.entries)
-        self.entries[handle] = (whole.numel(), whole.device)
-        return handle
-
-    def prefetch(self, handle):
-        if handle not in self.staged and handle in self.entries:
-            n, device = self.entries[handle]
-            self.staged[handle] = torch.empty(n, dtype=torch.uint8, device=device)
-
-    def fetch(self, handle):
-        self.prefetch(handle)
-        return self.staged.pop(handle)
-
-    def release(self, handle):
-        self.entries.pop(handle, None)
-        self.staged.pop(handle, None)
-
-
-_FAKE_STORE = _FakeStore()  # only its presence matters to the planner: it asks for the copy cost
-
-
-def _run_plan(forward, plan, args, kwargs):
-    if plan == KEEP_ALL:
-        return forward(*args, **kwargs)
-    if slices_of(plan) > 0:
-        block = forward.__self__
-
-        def parts(*a, **k):  # the children's checkpoints rerun their plain forwards
-            set_parts(block, True, slices_of(plan), whole=is_nested(plan))
-            try:
-                return forward(*a, **k)
-            finally:
-                set_parts(block, False)
-
-        # A nested plan's block is one keep-nothing checkpoint around its parts (budget 0 is
-        # torch.utils.checkpoint): its recompute in backward runs the parts again.
-        if is_nested(plan):
-            return _tc.checkpoint(parts, *args, use_reentrant=False, **kwargs)
-        return parts(*args, **kwargs)
-    flat, _ = tree_flatten((args, kwargs))
-    rng = capture_rng(plan.graph.devices) if plan.needs_rng else None
-    if plan.offloaded:
-        frame = _SharedOffloadFrame(plan, flat, rng, _FakeStore())
-        with saved_tensors_hooks(frame.pack, frame.unpack):
-            out = forward(*args, **kwargs)
-        frame.finish(out)
-        return out
-    frame = _SharedFrame(plan, flat, rng)
-    with saved_tensors_hooks(frame.pack, frame.unpack):
-        out = forward(*args, **kwargs)
-    frame.finish(out)
-    return out

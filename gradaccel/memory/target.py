@@ -24,6 +24,9 @@ A block may run:
   with the lower predicted peak is taken.
   In both, a norm whose output only feeds the next part runs inside that part's checkpoint
   (gradaccel/memory/parts.py), so the block holds its residual stream's inputs, not each part's.
+- **sliced** (``"sliced:n"``, gradaccel/memory/sliced.py): for a Llama-family decoder layer,
+  the whole block ``n`` slices of the sequence at a time, keys and values whole: it holds its
+  input alone between forward and backward, and its backward a slice of every other tensor.
 
 And where the model's loss does not fit or the peak is at the loss, **head**: for a Hugging
 Face causal LM whose loss is the stock ``ForCausalLMLoss``, the loss is computed by
@@ -53,7 +56,9 @@ from torch.utils._pytree import tree_flatten
 from gradaccel.memory import zero3
 from gradaccel.memory.fixed_parts import unpacked
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
-from gradaccel.memory.parts import install_parts, is_nested, set_parts, slices_of
+from gradaccel.memory.parts import install_parts, is_nested, is_sliced, set_parts, slices_of
+from gradaccel.memory.parking import DEVICE, HOST, host_budget, layouts, set_parking
+from gradaccel.memory.sliced import set_sliced
 from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
 from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute, uncheckpointed
@@ -87,16 +92,17 @@ def _step(model, batch):
 
 def set_plans(model: nn.Module, blocks: list, chunked_loss: bool, settings: list) -> None:
     """Sets what each of ``model``'s checkpointed ``blocks`` runs: ``settings[i]`` is block
-    ``i``'s int budget, None (uncheckpointed), or ``"parts"`` / ``"tiles:n"`` / ``"nested:n"``
-    (gradaccel/memory/parts.py); and the
+    ``i``'s int budget, None (uncheckpointed), or ``"parts"`` / ``"tiles:n"`` / ``"nested:n"`` /
+    ``"sliced:n"`` (gradaccel/memory/parts.py); and the
     loss in chunks on or off (the head must be installed to turn it on)."""
 
     for block, s in zip(blocks, settings):
-        parts = slices_of(s) > 0
+        parts = slices_of(s) > 0 and not is_sliced(s)
         if parts:
             install_parts(block)
         set_parts(block, parts, slices_of(s), whole=is_nested(s))
-        if s is None:  # a plan that recomputes nothing: no checkpoint, and none of its cost
+        set_sliced(block, slices_of(s) if is_sliced(s) else 0)
+        if s is None or is_sliced(s):  # no checkpoint: none needed, or the sliced plan's own node
             block._gradaccel_fine = True
         elif is_nested(s):
             block._gradaccel_budget = 0  # keep nothing: torch.utils.checkpoint around the parts
@@ -116,18 +122,22 @@ class MemoryTarget:
             every block runs a checkpoint plan (or none) and the loss is the model's, else a
             tuple of what the plan also uses: ``"parts"`` (blocks run as their parts),
             ``"tiles"`` (MLPs a slice of tokens at a time), ``"nested"`` (blocks checkpointed
-            whole around their parts), ``"head"`` (the loss in chunks), ``"host"`` (the blocks'
-            inputs on the host);
+            whole around their parts), ``"sliced"`` (whole blocks a slice of the sequence at a
+            time, K/V whole), ``"head"`` (the loss in chunks), ``"host"`` (the blocks' inputs on
+            the host);
             ``floor`` is the predicted peak with every block at its keep-least plan and the
             model's loss, the least per-block checkpoints reach.
     """
 
-    def __init__(self, memory: int, blocks: list, model: nn.Module, seq: int | None = None, inputs_on_host=False):
+    def __init__(self, memory: int, blocks: list, model: nn.Module, seq: int | None = None, inputs_on_host=False,
+                 host_memory=None):
         self.memory, self.seq = memory, seq
         # DeepSpeed ZeRO-3: what the step gathers whole at once, which the profile does not make
         # (gradaccel/memory/zero3.py); found at the first training call, once the engine has sharded.
         self.gathered = None
         self.inputs_on_host = inputs_on_host  # the user's: every plan with the inputs on the host
+        # What the parked inputs may take (gradaccel/memory/parking.py): default, the machine's.
+        self.host_memory, self.host_note = host_budget(host_memory)
         self.seen = {}
         self.chosen = {}
         self.hosts = {}  # input signature -> whether its plan has the inputs on the host
@@ -296,8 +306,9 @@ class MemoryTarget:
 
     def _set(self, model, blocks, head, settings, host=False):
         set_plans(model, blocks, head, settings)
-        for block in blocks:  # read by the checkpointed forward (either route: gradaccel/recompute/blocks.py)
-            block._gradaccel_inputs_on_host = host or self.inputs_on_host
+        # Read by the checkpointed forward (either route: gradaccel/recompute/blocks.py, sliced.py).
+        on = host or self.inputs_on_host
+        set_parking(blocks, host if isinstance(host, tuple) else ((HOST if on else DEVICE),) * len(blocks))
 
     def _choose(self, module, args, kwargs, predict=True):
         """``((head, settings), (mode, peak, floor))`` for this call, the inputs on the host
@@ -315,7 +326,7 @@ class MemoryTarget:
                           f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors; short by "
                           f"{peak - self.memory} bytes) at input shape {_key(args, kwargs)}; using that plan. "
                           "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
-        self.hosts[_key(args, kwargs)] = host
+        self.hosts[_key(args, kwargs)] = self._roles if host else False
         self.policies[_key(args, kwargs)] = policies
         return plan, chosen
 
@@ -339,8 +350,20 @@ class MemoryTarget:
             bare = None if host else uncheckpointed(prof, room)
             if bare is not None:
                 return prof, None, bare
-            opts = [(prof.host_options if host else prof.options)(prof.kind_of[i]) for i in range(len(prof.blocks))]
-            return prof, opts, least_recompute(prof, opts, room)
+            if not host:
+                opts = [prof.options(prof.kind_of[i]) for i in range(len(prof.blocks))]
+                return prof, opts, least_recompute(prof, opts, room)
+            # The layouts the host budget allows (gradaccel/memory/parking.py): the least recompute
+            # that fits, or else the one holding least on the device (the last).
+            tried = []
+            for roles in layouts(prof, self.host_memory) or [False]:  # [False]: not even pairs fit the budget
+                prof.inputs_on_host = roles
+                opts = [prof.host_options(prof.kind_of[i], False, r) for i, r in enumerate(prof.roles(len(prof.blocks)))]
+                tried.append((roles, opts, least_recompute(prof, opts, room)))
+            roles, opts, pts = min((t for t in tried if t[2] is not None), default=tried[-1],
+                                   key=lambda t: sum(p.cost for p in t[2]))
+            prof.inputs_on_host = roles
+            return prof, opts, pts
 
         room = self.memory - (self.gathered or 0)  # ZeRO-3: the parameters gathered at once are the step's too
 
@@ -375,12 +398,14 @@ class MemoryTarget:
             if above is not None:
                 return above
             return self._plan_on(module, args, kwargs, False, host, profiles)
+        self._roles = prof.inputs_on_host  # the parking of the plan chosen (_choose keeps it)
         settings = [_setting(p, prof.kind_of[i]) for i, p in enumerate(points)]
         if host:  # a block that keeps everything is still checkpointed: that is what parks its input
             settings = [p.budget if st is None else st for st, p in zip(settings, points)]
-        used = {slices_of(s) for s in settings if slices_of(s) > 0}
+        used = {slices_of(s) for s in settings if slices_of(s) > 0 and not is_sliced(s)}
         mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", max(used, default=1) > 1),
-                                     ("nested", any(is_nested(s) for s in settings)), ("head", head),
+                                     ("nested", any(is_nested(s) for s in settings)),
+                                     ("sliced", any(is_sliced(s) for s in settings)), ("head", head),
                                      ("host", host)) if on)
         policies = [compiled.policy_of(p.plan) if isinstance(st, int) and getattr(p, "plan", None) is not None else None
                     for st, p in zip(settings, points)]
@@ -395,9 +420,10 @@ class MemoryTarget:
         if above is None:
             return None
         key = (structure, above, host)
-        if key not in self.above:
-            self.above[key] = self._plan_on(module, *at_length((args, kwargs), length, above), True, host, profiles)
-        answer = self.above[key]  # ((head, settings), (mode, peak, floor), fits, policies)
+        if key not in self.above:  # with the parking it chose (_plan_on's self._roles)
+            answer = self._plan_on(module, *at_length((args, kwargs), length, above), True, host, profiles)
+            self.above[key] = answer, self._roles
+        answer, self._roles = self.above[key]  # ((head, settings), (mode, peak, floor), fits, policies)
         return answer if answer[2] else None
 
 

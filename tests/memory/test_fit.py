@@ -188,6 +188,7 @@ def test_nothing_fits_says_what_would(monkeypatch):
     cost = lambda device, model="flops": 40.0  # noqa: E731
     monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "offload_cost_per_byte", cost)
     monkeypatch.setattr(gradaccel.memory.profile, "offload_cost_per_byte", cost)
+    monkeypatch.setattr(gradaccel.memory.kinds, "offload_cost_per_byte", cost)
     planner = Planner(model, loss_fn=hf_step)
     least = planner.fit(192, 1, 1000, slack=0)  # the least each way, with what would fit
     floor, offload = least.peak, planner.estimate(192, 1, 1, offload=True).peak
@@ -483,6 +484,7 @@ def test_offload_predicted_and_proposed(monkeypatch):
     cheap = lambda device, model="flops": 4.0  # noqa: E731
     monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "offload_cost_per_byte", cheap)
     monkeypatch.setattr(gradaccel.memory.profile, "offload_cost_per_byte", cheap)
+    monkeypatch.setattr(gradaccel.memory.kinds, "offload_cost_per_byte", cheap)
     gradaccel.reset_plans()
     shape = (64, 176, 2, 8, 2, 384)
     model = _model(shape)

@@ -9,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import gradaccel  # noqa: E402
+from _models import hf_llama, token_batch  # noqa: E402
 from gradaccel.memory.counter import measured_peak  # noqa: E402
 from gradaccel.memory.fit import Planner, _least, hf_step  # noqa: E402
 from gradaccel.memory.parts import is_nested  # noqa: E402
@@ -17,16 +18,11 @@ HIDDEN, INTER, LAYERS, VOCAB, SEQ = 64, 1024, 4, 128, 2048  # a wide MLP: its re
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                   max_position_embeddings=SEQ, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(cfg).train()
+    return hf_llama(HIDDEN, INTER, LAYERS, VOCAB, SEQ)
 
 
 def _batch():
-    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
-    return {"input_ids": ids, "labels": ids}
+    return token_batch(VOCAB, SEQ)
 
 
 def test_least_plan_is_nested_and_measures_as_predicted():
