@@ -101,7 +101,7 @@ def test_each_kind_of_plan_is_allocated_as_predicted(small, kind, chunked, monke
     if kind == "offload":  # the copy's cost pinned low enough that offload pays (measured per process)
         cheap = lambda device, model="flops": 4.0  # noqa: E731
         monkeypatch.setattr(gradaccel.memory.profile, "offload_cost_per_byte", cheap)
-        monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "offload_cost_per_byte", cheap)
+        monkeypatch.setattr(sys.modules["gradaccel.recompute.region"], "offload_cost_per_byte", cheap)
     points = _points(small, kind, chunked)
     plan = _evaluate(small, SEQ, MB, MB, points, chunked_loss=chunked, host=kind == "host")
     plan.budgets = [None if b == KEEP_ALL else b for b in plan.budgets]  # keep-all: no checkpoint
