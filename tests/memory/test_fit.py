@@ -187,7 +187,7 @@ def test_nothing_fits_says_what_would(monkeypatch):
     # without offload is its answer at that memory, not an offload plan.
     cost = lambda device, model="flops": 40.0  # noqa: E731
     monkeypatch.setattr(sys.modules["gradaccel.recompute.region"], "offload_cost_per_byte", cost)
-    monkeypatch.setattr(gradaccel.memory.profile, "offload_cost_per_byte", cost)
+    monkeypatch.setattr(gradaccel.memory.step_peak, "offload_cost_per_byte", cost)
     monkeypatch.setattr(gradaccel.memory.kinds, "offload_cost_per_byte", cost)
     planner = Planner(model, loss_fn=hf_step)
     least = planner.fit(192, 1, 1000, slack=0)  # the least each way, with what would fit
@@ -483,7 +483,7 @@ def test_offload_predicted_and_proposed(monkeypatch):
     # makes vary: pinned (for the checkpoint and the fit alike) so that offload pays here.
     cheap = lambda device, model="flops": 4.0  # noqa: E731
     monkeypatch.setattr(sys.modules["gradaccel.recompute.region"], "offload_cost_per_byte", cheap)
-    monkeypatch.setattr(gradaccel.memory.profile, "offload_cost_per_byte", cheap)
+    monkeypatch.setattr(gradaccel.memory.step_peak, "offload_cost_per_byte", cheap)
     monkeypatch.setattr(gradaccel.memory.kinds, "offload_cost_per_byte", cheap)
     gradaccel.reset_plans()
     shape = (64, 176, 2, 8, 2, 384)
