@@ -85,7 +85,7 @@ def _offload_rows(device: str, planners: dict, quick: bool) -> list[dict]:
     (which decides what is offloaded) is this machine's, measured once per process."""
     import functools
 
-    from gradaccel.recompute.frames import store_for
+    from gradaccel.recompute.offload_frame import store_for
 
     rows = []
     shape = next(iter(planners))

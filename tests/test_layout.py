@@ -101,3 +101,34 @@ def test_no_import_circles():
         if m not in state:
             visit(m, [m])
     assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+def _private_uses(name, path, room):
+    """``name``'s uses of underscore names of gradaccel.<room>: imported (``from
+    gradaccel.<room>.x import _y``) or read off an imported module (``x._y``)."""
+    prefix = f"gradaccel.{room}"
+    tree = ast.parse(path.read_text())
+    modules, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(prefix):
+            for a in node.names:
+                if a.name.startswith("_"):
+                    found.append(f"{name}: from {node.module} import {a.name}")
+                elif (PACKAGE.parent / f"{node.module}.{a.name}".replace(".", "/")).with_suffix(".py").exists():
+                    modules.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name for a in node.names if a.name.startswith(prefix))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = ast.unparse(node.value)
+            if owner in modules or owner.startswith(prefix + "."):
+                found.append(f"{name}: {owner}.{node.attr}")
+    return found
+
+
+def test_memory_calls_recompute_through_public_names():
+    # memory/ plans with recompute's public functions (trace_call, plan_graph, module_kind,
+    # find_blocks, ...), so recompute's insides can change without breaking the planner.
+    wrong = [use for name, path in _modules() if _room(name) == "memory"
+             for use in _private_uses(name, path, "recompute")]
+    assert not wrong, "memory/ uses recompute's private names:\n" + "\n".join(sorted(wrong))

@@ -26,7 +26,7 @@ read itself. Here, for one engine:
   (``gradaccel.recompute.frames.ByReference``) and viewed again at unpack, when ZeRO-3 has gathered
   the module's parameters for its backward: the storage ZeRO-3 releases is released.
 - **No size formulas.** Each new sequence length is traced rather than sized by a symbolic pass
-  (gradaccel/recompute/lengths.py): outside their modules' hooks the parameters are released, and
+  (gradaccel/recompute/symbolic.py): outside their modules' hooks the parameters are released, and
   reading one there would start a collective on one rank alone.
 
 What is held at once, over stock ZeRO-3 with Hugging Face checkpointing: one layer's gathered

@@ -3,8 +3,9 @@
 - counter.py: every count of bytes: :class:`LiveBytes` (live tensor bytes and their peak),
   the activation bytes a forward holds for backward, and the step's fixed parts (weights,
   gradients, optimizer state).
-- profile.py: one training micro-step profiled on fake tensors, block by block; kinds.py: a
-  block kind, its plans, and running a block under one.
+- profile.py: one training micro-step profiled on fake tensors, block by block; step_peak.py:
+  the step's peak composed from it under any per-block plans; kinds.py: a block kind, its plans,
+  and running a block under one.
 - split.py: one target split across blocks, least recompute whose predicted peak fits.
 - parts.py, sliced.py and chunked_loss.py: the plans below the per-block floor (a block's parts
   as their own checkpoints; the whole block a slice of the sequence at a time, K/V whole; the

@@ -175,7 +175,7 @@ def _tell_counters(storage, delta: int) -> None:
             mode._resized(storage._cdata, delta)
 
 
-_host_inputs._RESIZE_LISTENERS.append(_tell_counters)
+_host_inputs.add_resize_listener(_tell_counters)
 
 
 class Trajectory(LiveBytes):

@@ -1,6 +1,7 @@
 """A block kind and its plans, run on fake tensors: what :mod:`gradaccel.memory.profile` measures.
 
-Blocks with equal kinds (:func:`block_kind`: class, parameter shapes, plain settings) trace alike,
+Blocks with equal kinds (``gradaccel.recompute.structure.module_kind``: classes, parameter shapes,
+plain settings) trace alike,
 so one block of each kind is traced (the very trace ``gradaccel.checkpoint`` takes) and stands for
 all of them. A :class:`Kind` holds that trace and asks ``gradaccel.checkpoint``'s own planner for
 its plans at any budget (its frontier, with offload or without); :func:`run_plan` runs a block
@@ -26,15 +27,16 @@ import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
-from gradaccel.recompute.checkpoint import _Region, _plain
-from gradaccel.recompute.frames import Frame, OffloadFrame
+from gradaccel.recompute.frames import Frame
+from gradaccel.recompute.offload_frame import OffloadFrame
 from gradaccel.recompute.plan import Planner, capture_rng, copy_device, offload_cost_per_byte
+from gradaccel.recompute.region import plan_graph
 from gradaccel.recompute.trace import Graph
 from gradaccel.memory import zero3
 from gradaccel.memory.parts import is_nested, is_sliced, set_parts, slices_of
 from gradaccel.memory.sliced import run_sliced
 
-__all__ = ["KEEP_ALL", "Kind", "Point", "block_kind", "cheaper_front", "fake_copy", "fake_mode", "run_plan"]
+__all__ = ["KEEP_ALL", "Kind", "Point", "cheaper_front", "fake_copy", "fake_mode", "run_plan"]
 
 KEEP_ALL = "all"  # the plan of a block run without checkpointing
 
@@ -63,25 +65,6 @@ def fake_copy(model: nn.Module, mode) -> nn.Module:
     fake = copy.deepcopy(model, memo)
     zero3.without_engine_hooks(fake)
     return fake
-
-
-_ABSENT = object()
-
-
-def block_kind(block: nn.Module) -> tuple:
-    """Blocks with equal kinds trace alike: class, parameter shapes, dtypes and trainability,
-    and plain settings (``attention_type``, ``eps``), except layer indices, gradaccel's own
-    plan settings (``_gradaccel_budget``, parts on or off: inputs of a plan, which the profile
-    chooses itself) and settings equal to their class's default (``gradient_checkpointing =
-    False`` once set on the instance)."""
-    parts = []
-    for name, m in block.named_modules():
-        attrs = tuple(sorted((k, v) for k, v in m.__dict__.items()
-                             if _plain(v) and not k.endswith(("idx", "index")) and not k.startswith("_gradaccel_")
-                             and getattr(type(m), k, _ABSENT) != v))
-        params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in m._parameters.items() if p is not None)
-        parts.append((name, type(m).__qualname__, attrs, params))
-    return tuple(parts)
 
 
 @dataclasses.dataclass
@@ -129,7 +112,7 @@ class Kind:
 
     def plan_at(self, budget: int) -> Point:
         """The plan ``gradaccel.checkpoint`` makes at ``budget`` bytes (its own planning code)."""
-        plan = _Region("profile", self.graph, budget, [], planner=self.planner).plan
+        plan = plan_graph(self.graph, budget, planner=self.planner, name="profile")
         return Point(budget, plan.kept_bytes, plan.cost, plan.recompute_flops, plan.replay_peak, plan)
 
     def offload_at(self, budget: int) -> Point:
@@ -137,7 +120,7 @@ class Kind:
         budget leaves out goes to host memory where the copy costs less than its recompute (the
         checkpoint's own planner, at this machine's measured copy cost). ``cost`` includes the
         copies; ``kept`` is what stays on the device."""
-        plan = _Region("profile", self.graph, budget, [], store=_FAKE_STORE).plan
+        plan = plan_graph(self.graph, budget, offload=True, name="profile")
         if not plan.offloaded:
             return self.plan_at(budget)
         copy = offload_cost_per_byte(copy_device(self.graph), self.graph.cost) * plan.offloaded_bytes
@@ -212,9 +195,6 @@ class _FakeStore:
     def release(self, handle):
         self.entries.pop(handle, None)
         self.staged.pop(handle, None)
-
-
-_FAKE_STORE = _FakeStore()  # only its presence matters to the planner: it asks for the copy cost
 
 
 def run_plan(forward, plan, args, kwargs):

@@ -4,7 +4,8 @@ The model is copied onto ``FakeTensorMode`` (no memory, no arithmetic: a full-si
 full sequence length costs only the Python of its ops) and run twice:
 
 1. a *trace pass*: the first block of each kind (blocks with the same class, parameter shapes
-   and plain settings) runs under gradaccel's own tracer, the very trace
+   and plain settings: ``gradaccel.recompute.structure.module_kind``) runs under gradaccel's own
+   tracer (``gradaccel.recompute.region.trace_call``), the very trace
    ``gradaccel.checkpoint`` takes on its first call, so that the planner can be asked what a
    block keeps and recomputes at any budget;
 2. a *skeleton pass*: forward and backward with every block at the keep-nothing plan, under
@@ -12,32 +13,30 @@ full sequence length costs only the Python of its ops) and run twice:
    each phase (each block's forward, the head and loss, each block's backward, the rest).
 
 A block's own memory under plan ``p`` is measured by running it alone, forward then backward,
-with ``p``'s frame (:meth:`Profile.block_peak`). :meth:`Profile.predict` composes the peak of a
-step with any per-block plans from those measurements; see its docstring.
+with ``p``'s frame (:meth:`Profile.block_peak`); this module also holds the plans a block may
+run (:meth:`Profile.options`). :meth:`Profile.predict` composes the peak of a step with any
+per-block plans from those measurements (gradaccel/memory/step_peak.py, which ``Profile``
+inherits); see its docstring.
 """
 
-import dataclasses
 import functools
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_map
 
-from gradaccel.recompute.frames import TraceFrame
-from gradaccel.recompute.plan import capture_rng, copy_device, offload_cost_per_byte
+from gradaccel.recompute.blocks import find_blocks, model_class
+from gradaccel.recompute.region import trace_call
 from gradaccel.recompute.state import STATE
-from gradaccel.recompute.trace import DataReads, Graph
+from gradaccel.recompute.structure import module_kind
 from gradaccel.memory.counter import LiveBytes, Trajectory
 # A block kind, its plans, and running a block under one (gradaccel/memory/kinds.py); plans other
 # than a budget (PARTS, "tiles:n", "nested:n", "sliced:n") are named in gradaccel/memory/parts.py.
-from gradaccel.memory.kinds import (KEEP_ALL, Kind, Point, block_kind, cheaper_front, fake_copy,  # noqa: F401
-                                    fake_mode, run_plan)
-from gradaccel.memory.parts import (PARTS, check_structure, has_parts, has_tiles, is_nested, is_parts, is_sliced,
-                                    nested, set_parts, slice_counts, sliced, sliced_count, slices_of, tiles)
-from gradaccel.memory.parking import DEVICE, HOST, PAIR, PAIRED, PARKED
+from gradaccel.memory.kinds import KEEP_ALL, Kind, Point, cheaper_front, fake_copy, fake_mode, run_plan  # noqa: F401
+from gradaccel.memory.parts import (PARTS, check_structure, has_parts, has_tiles, is_nested, is_sliced, nested,  # noqa: F401
+                                    set_parts, slice_counts, sliced, sliced_count, slices_of, tiles)
+from gradaccel.memory.step_peak import StepPeak
 from gradaccel.memory.sliced import kv_flops, why_not
-from gradaccel.recompute.blocks import _find_blocks, _find_by_type, _find_checkpointed, model_class
 
 RUNS = [0]  # fake-tensor profiles made in this process (one per Profile): what planning costs
 
@@ -47,20 +46,7 @@ def profile_runs() -> int:
     return RUNS[0]
 
 
-def find_blocks(model: nn.Module) -> list:
-    """The blocks ``checkpoint_blocks`` checkpoints, or would, in forward order (as registered):
-    a Hugging Face model's layers; else those it has checkpointed already (the ``block_types``
-    it was given, say); else the ones it would find itself."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        GradientCheckpointingLayer = None
-    found = _find_by_type(model, [GradientCheckpointingLayer]) if GradientCheckpointingLayer is not None else []
-    return found or _find_checkpointed(model) or _find_blocks(model)
-
-
-
-class Profile:
+class Profile(StepPeak):
     """Everything :meth:`predict` needs about one micro-step of ``model`` at one input shape.
 
     Args:
@@ -74,9 +60,6 @@ class Profile:
             ``events``, each block run's in ``Kind.events``), for gradaccel/memory/lengths.py.
     """
 
-    # Block inputs parked on the host (checkpoint_blocks(inputs_on_host=True)): step_terms prices
-    # them. A class default: profiles predicted at other lengths are made without __init__.
-    inputs_on_host = False
     pinned_inputs = frozenset()  # blocks whose input is a leaf that requires grad (run_parked keeps it)
 
     def __init__(self, model: nn.Module, step, batch, grad_hooks: bool = True, skeleton: bool = True,
@@ -105,7 +88,8 @@ class Profile:
                 set_parts(b, False)  # the plan the model runs now (a fit's, say) is not what is profiled
         kinds: dict = {}
         for i, b in enumerate(self.blocks):
-            kinds.setdefault(block_kind(b), Kind(block_kind(b), [])).blocks.append(i)
+            key = module_kind(b)
+            kinds.setdefault(key, Kind(key, [])).blocks.append(i)
         self.kinds = list(kinds.values())
         self.kind_of = {i: k for k in self.kinds for i in k.blocks}
         self.grad_hooks = grad_hooks
@@ -152,13 +136,7 @@ class Profile:
         if kind.graph is not None:
             return run_plan(forward, kind.zero.plan, args, kwargs)
         kind.input_grads = grads
-        graph = Graph(flat, True)
-        devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
-        frame = TraceFrame(graph, flat, capture_rng(devices))
-        with saved_tensors_hooks(frame.pack, frame.unpack), DataReads(graph), frame.recorder:
-            out = forward(*args, **kwargs)
-        frame.finish(out)
-        graph.take_externals()
+        graph, out = trace_call(forward, args, kwargs)
         kind.graph, kind.args, kind.kwargs = graph, args, kwargs
         kind.forward_cost = sum(op.cost for op in graph.ops)
         kind.zero = kind.plan_at(1)
@@ -356,161 +334,9 @@ class Profile:
             return zero.cost + per_flop * kind._kv_flops, zero.flops + kind._kv_flops
         return zero.cost, zero.flops
 
-    # -- composing a step --------------------------------------------------------------------
-    def step_terms(self, layout: list | None = None) -> dict:
-        """The step's peak as terms that do not depend on the plans, for :meth:`predict` and
-        :func:`gradaccel.memory.split.least_recompute`.
-
-        With block ``i`` under plan ``p_i`` and ``D_i`` the bytes the blocks before ``i`` keep
-        beyond their keep-nothing plans, the peak is the largest of ``fixed``, ``D_i +``
-        :meth:`need` of each block, and ``D_n + head``. Each entry is ``(bytes, phase, bytes the
-        blocks hold, bytes live at the phase's start)`` at keep-nothing plans.
-        """
-        layout = list(range(len(self.blocks))) if layout is None else list(layout)
-        key = (tuple(layout), self.inputs_on_host if isinstance(self.inputs_on_host, bool) else tuple(self.inputs_on_host))
-        if key in self._terms:
-            return self._terms[key]
-        ph, pre, held = self.phases, self.pre, self.held
-        # Inputs on the host: block i's input leaves the device when its forward ends (its private
-        # copy made for the forward is live during it) and comes back when its backward starts,
-        # with the input parked before it prefetched: ``away`` bytes of inputs are off the device.
-        # A pair (gradaccel/memory/parking.py) parks its first block's input when the second's
-        # forward ends, and the second's input is not held: both are back in the second's backward.
-        away, last, pending = 0, 0, None  # last: the input parked last; pending: (bytes, last) of a pair's first
-        fixed = [(ph["pre"][1], "pre", 0, ph["pre"][0])]
-        if "tail" in ph:
-            fixed.append((ph["tail"][1], "tail", 0, ph["tail"][0]))
-        H, blocks, fwd, bwd = pre[0], 0, [], []
-        for i, (s, role) in enumerate(zip(layout, self.roles(len(layout)))):
-            H += pre[s] - (held[s - 1] if s > 0 else pre[0])
-            mine = self.parked_bytes(s) if role in PARKED else 0
-            copy = mine + (pending[0] if role == PAIRED else 0)  # private copies on the device in this forward
-            fwd.append((H - away + ph[("fwd", s)][1] - pre[s] + copy, ("fwd", i), blocks - away, H - away))
-            H += held[s] - pre[s]
-            blocks += held[s] - pre[s]
-            start, peak = ph[("bwd", s)]
-            prev = 0 if role == DEVICE else (pending[1] if role == PAIRED else last)  # prefetched meanwhile
-            bwd.append((H - away + prev + peak - held[s], ("bwd", i), blocks - away + prev,
-                        H - away + prev + start - held[s]))
-            if role == PAIR:
-                pending = (mine, last)
-            elif role == PAIRED:
-                away, last, pending = away + pending[0] + self.parked_bytes(s), pending[0], None
-            elif role == HOST:
-                away, last = away + mine, mine
-        last = len(self.blocks) - 1
-        head = (H - away + ph["head"][1] - held[last], "head", blocks - away, H - away + ph["head"][0] - held[last])
-        self._terms[key] = {"layout": layout, "fixed": max(fixed, key=_first), "fwd": fwd, "bwd": bwd, "head": head}
-        return self._terms[key]
-
-    def parked_bytes(self, s: int) -> int:
-        """Bytes of profiled block ``s``'s input that ``inputs_on_host`` parks on the host
-        (gradaccel/recompute/host_inputs.py: its first argument, the hidden state)."""
-        from gradaccel.recompute.host_inputs import parked_bytes
-
-        args = self.kind_of[s].args
-        return parked_bytes(args[0]) if args and s not in self.pinned_inputs else 0
-
-    def roles(self, n: int) -> tuple:
-        """Each of ``n`` blocks' role (gradaccel/memory/parking.py) under ``inputs_on_host``: True,
-        every block parked; False, none; or the roles themselves."""
-        if isinstance(self.inputs_on_host, bool):
-            return ((HOST if self.inputs_on_host else DEVICE),) * n
-        return tuple(self.inputs_on_host)
-
-    def host_options(self, kind: Kind, offload: bool = False, role: str = HOST) -> list:
-        """:meth:`options` for a block whose role is ``role`` (gradaccel/memory/parking.py). Parked
-        (``HOST``): a block run as its parts keeps its input on the device (it is not one
-        checkpoint), so its kept bytes grow by it. In a pair: sliced plans only, each recomputing
-        one forward of the block more (the pair's checkpoint runs it again in backward)."""
-        if role in (PAIR, PAIRED):
-            return [dataclasses.replace(p, cost=p.cost + kind.forward_cost, flops=p.flops + kind.zero.flops)
-                    for p in self.options(kind, offload) if is_sliced(p.plan)]
-        if role == DEVICE:
-            return self.options(kind, offload)
-        inp = self.parked_bytes(kind.blocks[0])
-        return [dataclasses.replace(p, kept=p.kept + inp) if is_parts(p.plan) else p
-                for p in self.options(kind, offload)]
-
-    def copy_exposed(self, layout: list | None = None) -> float:
-        """With the inputs on the host, the copies' time not hidden behind the blocks' compute, in
-        the planner's cost units, per micro-step: per block, the copy out against its forward,
-        the copy back against its backward (twice the forward), at the copy speed measured at
-        start (``offload_cost_per_byte``: a round trip, taken as half each way)."""
-        layout = list(range(len(self.blocks))) if layout is None else list(layout)
-        total = 0.0
-        for s, role in zip(layout, self.roles(len(layout))):
-            if role not in PARKED:
-                continue
-            kind = self.kind_of[s]
-            one_way = offload_cost_per_byte(copy_device(kind.graph), kind.graph.cost) * self.parked_bytes(s) / 2
-            total += max(0.0, one_way - kind.forward_cost) + max(0.0, one_way - 2 * kind.forward_cost)
-        return total
-
-    def need(self, terms: dict, i: int, point, exact: bool = True) -> tuple:
-        """Block ``i``'s two peaks under ``point`` (its forward, its backward), in bytes above
-        what the blocks before it keep beyond keep-nothing: a plan that keeps ``K`` bytes more
-        than keep-nothing changes its forward and backward by the difference of its standalone
-        peaks (:meth:`block_peak`; when ``exact`` is False, without running blocks:
-        :meth:`block_peak_estimate`, and ``K`` for the forward, which is never less), and adds
-        ``K`` to everything after its forward until its backward (its own backward included)."""
-        kind = self.kind_of[terms["layout"][i]]
-        dk = point.kept - kind.zero.kept
-        if exact or slices_of(point.plan) > 0:  # parts plans are run anyway; their forward holds less
-            grow = self.block_forward_peak(kind, point) - self.block_forward_peak(kind, kind.zero)
-        else:
-            grow = dk
-        peak_of = self.block_peak if exact else self.block_peak_estimate
-        # Offload: the block's own fetched tensors are in its standalone run (a store that keeps
-        # host copies off the device). The prefetch of the next block's tensors that
-        # OffloadFrame.unpack starts is not added: measured on CPU, the step's peak matched
-        # without it (tests/memory/test_fit.py); not yet checked against a GPU.
-        mine = (peak_of(kind, point) - point.kept) - (peak_of(kind, kind.zero) - kind.zero.kept)
-        return terms["fwd"][i][0] + grow, terms["bwd"][i][0] + dk + mine
-
-    def predict(self, points: list, exact: bool = True, layout: list | None = None) -> dict:
-        """Peak live bytes of the micro-step (above what existed before it: weights, buffer,
-        optimizer state) with block ``i`` under ``points[i]``, and what makes it up.
-
-        From the skeleton (every block at the keep-nothing plan) each phase's start and peak;
-        each block's plan changes them as :meth:`need` says. ``layout[i]`` is the profiled
-        block that block ``i`` repeats, for a model profiled with fewer blocks than it has (the
-        default: block ``i`` is profiled block ``i``).
-
-        Returns:
-            dict: ``peak`` and where it is (``phase``); what is live when that phase starts:
-            ``blocks`` (bytes the blocks hold), ``outside`` (other activations and gradients);
-            ``transient`` (the rest: the phase's own working set).
-        """
-        terms = self.step_terms(layout)
-        best, D = terms["fixed"], 0  # D: bytes the blocks so far keep beyond keep-nothing
-        for i, p in enumerate(points):
-            dk = p.kept - self.kind_of[terms["layout"][i]].zero.kept
-            fwd, bwd = self.need(terms, i, p, exact)
-            # In its backward, a block's own extra kept bytes are live at the phase's start.
-            for value, (_, phase, blocks, start), held in ((fwd, terms["fwd"][i], D), (bwd, terms["bwd"][i], D + dk)):
-                best = max(best, (value + D, phase, blocks + held, start + held), key=_first)
-            D += dk
-        value, phase, blocks, start = terms["head"]
-        best = max(best, (value + D, phase, blocks + D, start + D), key=_first)
-        value, phase, blocks, start = best
-        return {"peak": value, "phase": phase, "blocks": blocks, "outside": max(0, start - blocks),
-                "transient": max(0, value - max(start, blocks))}
-
-    def recompute(self, points: list) -> tuple:
-        """(recompute cost, forward cost of the blocks) of one micro-step under ``points``, in the
-        planner's units (FLOPs plus bytes moved at the machine balance)."""
-        rc = sum(p.cost for p in points)
-        fc = sum(self.kind_of[i].forward_cost for i in range(len(points)))
-        return rc, fc
-
 
 class _Traced(Exception):
     pass
-
-
-def _first(x):
-    return x[0]
 
 
 def _tokens(kind) -> int:

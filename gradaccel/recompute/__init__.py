@@ -1,9 +1,12 @@
 """Selective recompute: activation checkpointing that keeps what fits a memory budget.
 
 - checkpoint.py: ``checkpoint`` and ``checkpoint_sequential`` (public through ``gradaccel``),
-  report.py: ``plan_report`` and ``plan_rows``; a region is traced once (trace.py), planned by the C++ planner (plan.py,
-  cost.py, roles.py), and run by frames (frames.py) that keep, drop or offload (offload.py) each
-  saved tensor.
+  report.py: ``plan_report`` and ``plan_rows``; a region (region.py: its plan and later calls) is
+  traced once (trace.py), planned by the C++ planner (plan.py, cost.py, roles.py), and run by
+  frames (frames.py; offload_frame.py with host memory) that keep, drop or offload (offload.py)
+  each saved tensor.
+- Plans across sizes: structure.py (one trace per structure, a module's kind), symbolic.py (the
+  region run on symbolic sizes), formulas.py (the trace as formulas of the input sizes).
 - blocks.py: finds a model's repeated blocks and wraps each in a checkpoint (the mechanism
   under ``gradaccel.checkpoint_blocks``).
 - storage.py (who is which storage), context.py (the generator state and autocast a replay

@@ -1,4 +1,4 @@
-"""What the symbolic pass (gradaccel/recompute/lengths.py) needs of torch 2.13, on older torch
+"""What the symbolic pass (gradaccel/recompute/symbolic.py) needs of torch 2.13, on older torch
 (2.11, the oldest supported). Each is on only while a pass runs, and only where this torch lacks
 it: each is probed, not read from the version.
 

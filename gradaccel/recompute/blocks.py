@@ -335,6 +335,27 @@ def _find_blocks(model):
     return blocks
 
 
+def find_blocks(model: nn.Module) -> list:
+    """The blocks ``checkpoint_blocks`` checkpoints, or would, in forward order (as registered).
+
+    A Hugging Face model's layers (``GradientCheckpointingLayer``); else those :func:`install`
+    has checkpointed already (the ``block_types`` it was given, say); else the entries of the
+    ``nn.ModuleList`` of one class that holds the most parameters.
+
+    Args:
+        model: the model.
+
+    Returns:
+        list: the blocks (empty where none is found).
+    """
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        GradientCheckpointingLayer = None
+    found = _find_by_type(model, [GradientCheckpointingLayer]) if GradientCheckpointingLayer is not None else []
+    return found or _find_checkpointed(model) or _find_blocks(model)
+
+
 def install(model, budget=None, block_types=None, cost="flops", offload=False, inputs_on_host=False):
     """Checkpoints each repeated block of ``model`` in place at ``budget``: the mechanism of
     :func:`gradaccel.checkpoint_blocks` (which documents the arguments), without its ``memory=``

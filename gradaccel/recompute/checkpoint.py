@@ -19,13 +19,9 @@ later calls use ``torch.utils.checkpoint`` (or keep all, if it fits). Either is 
 naming the op. A backward inside the forward (a gradient penalty) replays what it unpacks.
 """
 
-import collections
-import functools
 import math
-import numbers
 import types
 import warnings
-import weakref
 
 import torch
 import torch.utils.checkpoint as _tc
@@ -33,14 +29,21 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten
 
 from gradaccel.recompute import compiled
-from gradaccel.recompute import lengths as _lengths
+from gradaccel.recompute import region as _region
+from gradaccel.recompute import structure as _structures
 from gradaccel.recompute.cost import OpCost, check_cost
-from gradaccel.recompute.frames import Frame, OffloadFrame, TraceFrame, store_for
-from gradaccel.recompute.plan import Plan, Planner, capture_rng, copy_device, offload_cost_per_byte, rng_state_bytes
+from gradaccel.recompute.frames import TraceFrame
+from gradaccel.recompute.offload_frame import store_for
+from gradaccel.recompute.plan import capture_rng
+from gradaccel.recompute.region import (Region, module_names, region_name, remember, retire, run_dynamic, run_planned,
+                                        run_sized, split_region, unwrap)
 from gradaccel.recompute.report import describe as _describe
 from gradaccel.recompute.report import plan_report, plan_rows
-from gradaccel.recompute.split_off import active, module_stack, split_off
+from gradaccel.recompute.split_off import active, module_stack
 from gradaccel.recompute.state import STATE
+from gradaccel.recompute.state import warn_once as _warn_once
+from gradaccel.recompute.structure import is_plain as _plain  # the name the key functions below use
+from gradaccel.recompute.symbolic import in_fake_pass
 from gradaccel.recompute.storage import storage_key
 from gradaccel.recompute.trace import DataReads, Graph
 
@@ -50,12 +53,6 @@ __all__ = ["checkpoint", "checkpoint_sequential", "plan_report", "plan_rows", "r
 # else runs as torch.utils.checkpoint, which implements it (warned once).
 _TORCH_ONLY_KWARGS = {"context_fn": _tc.noop_context_fn, "determinism_check": "default", "debug": False,
                       "early_stop": True}
-
-
-def _warn_once(tag: str, message: str) -> None:
-    if tag not in STATE.warned:
-        STATE.warned.add(tag)
-        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _check_budget(budget, warn=True):
@@ -81,50 +78,6 @@ def _check_budget(budget, warn=True):
 _WARNED_SMALL = set()
 
 
-# -- regions: one per (callable, input signature) --------------------------------------------
-class _Region:
-    """A traced region, its plan and counters, for one callable and one input signature."""
-
-    def __init__(self, name: str, graph: Graph, budget, flat_args: list, store=None, planner: Planner | None = None):
-        self.name = name
-        self.store = store
-        self.graph = graph
-        self.budget = budget
-        self._tensors = [(t.shape, t.dtype) for t in flat_args if isinstance(t, torch.Tensor)]
-        self.calls = 1
-        self.plan: Plan | None = None
-        self.structure = None  # its signature without sizes (gradaccel/recompute/lengths.py), where plans are sized
-        if not graph.dynamic:
-            self.plan = self._plan(planner or Planner(graph))
-
-    @property
-    def signature(self) -> str:
-        """The tensor arguments' shapes and dtypes, for reports (plan_rows)."""
-        return ", ".join(f"{tuple(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in self._tensors)
-
-    @property
-    def budget_bytes(self) -> int:
-        """The budget in bytes (what ``budget`` means: see :func:`checkpoint`)."""
-        return self.budget if isinstance(self.budget, int) else int(self.budget * self.graph.activation_bytes)
-
-    def _plan(self, planner: Planner) -> Plan:
-        copy_cost = None
-        if self.store is not None:
-            copy_cost = offload_cost_per_byte(copy_device(self.graph), self.graph.cost)
-        # The saved generator state is held by the region too: it counts against the budget
-        # where replay draws random numbers (read only then: a traced device may be fake).
-        plan = planner.plan(self.budget_bytes, copy_cost, rng_state_bytes(self.graph) if planner.random else 0)
-        if not plan.fits:
-            _warn_once(("fits", self.name),
-                       f"gradaccel.checkpoint: {self.name} keeps {plan.kept_bytes} bytes, over its budget of "
-                       f"{plan.budget_bytes}: it saves tensors that cannot be recomputed (ops that update "
-                       "state, such as batch norm's running statistics, RNN kernels, or a submodule split off "
-                       "as its own torch.utils.checkpoint and random ops after it). Raise the budget for "
-                       "this region.")
-        return plan
-
-
-MAX_PLANS = 64  # signatures (plans) kept per callable; the least recently used goes first
 
 
 def reset_plans() -> None:
@@ -140,25 +93,6 @@ def _owner(fn):
         # A builtin bound method (tensor.exp) has no __func__: its name tells it from its siblings.
         return bound, getattr(fn, "__func__", None) or fn.__name__
     return fn, None
-
-
-_PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size})
-_NOT_PLAIN = frozenset({dict, collections.OrderedDict, set, list})  # a module's own fields
-
-
-def _plain(v) -> bool:
-    """A value a trace freezes in as a constant, so plans are keyed by its value: a number
-    (Python's or numpy's), a string, bytes, ``None``, a dtype, a device, a ``torch.Size``, or a
-    tuple of those (``normalized_shape``). Anything else (a module, a config object) is keyed by
-    identity, so that the cache never keeps it alive. By exact type first: this runs on every call."""
-    t = type(v)
-    if t in _PLAIN:
-        return True
-    if t in _NOT_PLAIN:
-        return False
-    if t is tuple:
-        return all(type(e) in _PLAIN for e in v)
-    return isinstance(v, (numbers.Number, str, bytes, torch.dtype, torch.device))
 
 
 def _module_state(m: torch.nn.Module) -> tuple:
@@ -216,7 +150,7 @@ def _signature(func, flat, spec, budget, preserve, owner) -> tuple:
             # Replay reads an argument's storage with the traced strides and offset, and two
             # arguments that shared a storage in the trace are one storage there.
             alias = storages.setdefault(storage_key(x), len(storages))
-            # Geometry in a tuple of its own: a structure's key leaves it out (_lengths.without_sizes).
+            # Geometry in a tuple of its own: a structure's key leaves it out (structure.without_sizes).
             parts.append(((x.shape, x.stride(), x.storage_offset()), alias, x.dtype, x.device, x.requires_grad))
         elif _plain(x):
             parts.append((type(x), x))
@@ -301,7 +235,7 @@ def _checkpoint(function, args, kwargs, budget, preserve_rng_state=True, use_ree
         budget = _check_budget(budget, warn=False)
         if budget == 0 or not torch.is_grad_enabled():
             return compiled.run(function, args, kwargs, compiled.RECOMPUTE_ALL, preserve_rng_state)
-        fn, flat_args, flat_kwargs = _unwrap(function, args, kwargs)
+        fn, flat_args, flat_kwargs = unwrap(function, args, kwargs)
         owner, func = compiled.owner_of(fn, flat_args)
         compiled.prepare(fn, flat_args, flat_kwargs, owner, func, budget, preserve_rng_state, cost)
         policy = compiled.find(owner, func, budget, preserve_rng_state, cost)
@@ -316,7 +250,7 @@ def _checkpoint_eager(function, args, kwargs, budget, preserve_rng_state=True, u
                       host_budget=None, cost="flops"):
     budget = _check_budget(budget, warn=False)
     cost = check_cost(cost)
-    if _lengths.in_fake_pass():  # the region around it runs on symbolic fake tensors: no plans here
+    if in_fake_pass():  # the region around it runs on symbolic fake tensors: no plans here
         return function(*args, **kwargs)
     if not isinstance(offload, bool):
         raise ValueError(f"offload must be True or False, got {offload!r}")
@@ -335,7 +269,7 @@ def _checkpoint_eager(function, args, kwargs, budget, preserve_rng_state=True, u
     if (budget == 0 and not offload) or changed or not torch.is_grad_enabled():
         return _tc.checkpoint(function, *args, use_reentrant=False,
                               preserve_rng_state=preserve_rng_state, **torch_only, **kwargs)
-    fn, args, kwargs = _unwrap(function, args, kwargs)
+    fn, args, kwargs = unwrap(function, args, kwargs)
     flat, spec = tree_flatten((args, kwargs))
     owner, func = _owner(fn)
     key = _signature(func, flat, spec, budget, preserve_rng_state, owner) + (offload, host_budget, cost)
@@ -351,19 +285,19 @@ def _checkpoint_eager(function, args, kwargs, budget, preserve_rng_state=True, u
         if region.structure is not None:
             region.structure.planned += 1
         if region.plan is None:
-            return _run_dynamic(region, fn, args, kwargs, preserve_rng_state)
+            return run_dynamic(region, fn, args, kwargs, preserve_rng_state)
         if region.plan.externals_alive():
-            return _run_planned(region, regions, key, fn, args, kwargs, flat)
+            return run_planned(region, regions, key, fn, args, kwargs, flat)
     store = store_for(host_budget) if offload else None
     structure = _structure(owner, key, cost)
     if structure is not None and region is None and key not in structure.retrace and structure.templates:
         # A new size of a structure seen before: its plan comes from formulas, with no trace.
         graph = structure.sized_graph(fn, flat, spec)
         if graph is not None:
-            region = _Region(_name(fn), graph, budget, flat, store)
+            region = Region(region_name(fn), graph, budget, flat, store)
             region.structure = structure
             if region.plan.externals_alive():
-                out = _run_sized(region, regions, key, fn, args, kwargs, flat)
+                out = run_sized(region, regions, key, fn, args, kwargs, flat)
                 compiled.remember(owner, func, budget, preserve_rng_state, cost, region.plan)
                 return out
     out = _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store, cost, structure)
@@ -374,7 +308,7 @@ def _checkpoint_eager(function, args, kwargs, budget, preserve_rng_state=True, u
 
 
 def _structure(owner, exact_key, cost):
-    """The :class:`gradaccel.recompute.lengths.Structure` of this call: its signature without sizes.
+    """The :class:`gradaccel.recompute.structure.Structure` of this call: its signature without sizes.
     None where plans are not shared across sizes (a tensor's method; costs measured per call)."""
     if isinstance(owner, torch.Tensor) or isinstance(cost, str) and cost == "measured":
         return None
@@ -382,54 +316,16 @@ def _structure(owner, exact_key, cost):
         shapes = STATE.shapes.setdefault(owner, {})
     except TypeError:  # not weak-referenceable: traced every call anyway
         return None
-    key = tuple(_lengths.without_sizes(p) for p in exact_key)
+    key = tuple(_structures.without_sizes(p) for p in exact_key)
     # A trace does not depend on the budget or its type (the plan does): memory= and fit set a
     # budget per block and length, in bytes or as a share, and each must be sized from the same
     # structure (and the layers share their kind's formulas), not traced anew.
     key = key[:2] + (None, None) + key[4:]
-    structure = _lengths.structures_of(shapes, key)
+    structure = _structures.structures_of(shapes, key)
     if structure.kind is None and isinstance(owner, torch.nn.Module):
         # Layers of one model share size formulas: the key with the module's kind for its state.
-        structure.kind = (type(owner), key[:5], _lengths.module_kind(owner, _plain), key[6:])
+        structure.kind = (type(owner), key[:5], _structures.module_kind(owner), key[6:])
     return structure
-
-
-def _remember(region) -> None:
-    """Adds ``region`` to STATE.in_order (plan_rows' order). Regions dropped from the caches
-    die; their references are swept out every MAX_PLANS additions, not at each one (a new
-    length adds one per layer, and the list holds up to MAX_PLANS per callable)."""
-    STATE.in_order.append(weakref.ref(region))
-    if len(STATE.in_order) % MAX_PLANS == 0:
-        STATE.in_order[:] = [r for r in STATE.in_order if r() is not None]
-
-
-def _run_sized(region, regions, key, fn, args, kwargs, flat):
-    """A call at a new size of a known structure, planned from formulas (gradaccel/recompute/lengths.py)."""
-    region.sized = True
-    regions[key] = region
-    while len(regions) > MAX_PLANS:  # plans per size are cheap to make again: drop the oldest
-        _retire(regions.pop(next(iter(regions))))
-    _remember(region)
-    return _run_planned(region, regions, key, fn, args, kwargs, flat)
-
-
-def _run_planned(region, regions, key, fn, args, kwargs, flat):
-    plan = region.plan
-    rng = capture_rng(plan.graph.devices) if plan.needs_rng or plan.draws else None
-    frame = Frame(plan, flat, rng, (fn, args, kwargs)) if region.store is None or not plan.offloaded else \
-        OffloadFrame(plan, flat, rng, region.store, (fn, args, kwargs))  # the call: rerun if it strays
-    with saved_tensors_hooks(frame.pack, frame.unpack), active(frame):
-        out = fn(*args, **kwargs)
-    if not frame.finish(out):
-        _retire(regions.pop(key, None))
-        structure = getattr(region, "structure", None)
-        if structure is not None:  # sized from formulas that did not hold: trace this size next time
-            structure.strayed(key)
-        _warn_once(("diverged", region.name),
-                   f"gradaccel.checkpoint: {region.name} saved different tensors than when it was traced for "
-                   f"the same input signature ({frame.divergence}): this call is recomputed whole, and the region "
-                   "traced again. Make the region's behaviour depend only on its arguments (and module.training).")
-    return out
 
 
 def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state, store, cost, structure=None):
@@ -437,16 +333,16 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
     devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
     rng = capture_rng(devices) if preserve_rng_state else None
     frame = TraceFrame(graph, flat, rng)
-    graph.module_names = _module_names(fn)
+    graph.module_names = module_names(fn)
     with saved_tensors_hooks(frame.pack, frame.unpack), active(frame), module_stack(graph.module_stack), \
             DataReads(graph), frame.recorder:
         out = fn(*args, **kwargs)
     frame.finish(out)
-    name = _name(fn)
-    region = _Region(name, graph, budget, flat, store)
-    _retire(regions.pop(key, None))
+    name = region_name(fn)
+    region = Region(name, graph, budget, flat, store)
+    retire(regions.pop(key, None))
     if graph.dynamic:
-        if _split(region, owner=_owner(fn)[0]):
+        if split_region(region, owner=_owner(fn)[0]):
             return out  # traced again, with the submodule split off, on the next call
         _warn_once(("fallback", name, graph.dynamic_reason),
                    f"gradaccel.checkpoint: {name} falls back to torch.utils.checkpoint (the whole region is "
@@ -460,7 +356,7 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
         structure.add(graph, flat)
         if getattr(_owner(fn)[0], "_gradaccel_lengths", False):  # lengths will vary: formulas now
             structure.prepare(fn, flat, tree_flatten((args, kwargs))[1])
-        if structure.traces > _lengths.MAX_TEMPLATES:
+        if structure.traces > _structures.MAX_TEMPLATES:
             why = structure.why or ("the region's path depends on its input sizes in a way its size formulas "
                                     "cannot follow (a branch on the length, a number computed from a size and "
                                     "passed as a float)")
@@ -468,68 +364,16 @@ def _run_traced(regions, key, fn, args, kwargs, flat, budget, preserve_rng_state
                        f"gradaccel.checkpoint: {name} was traced {structure.traces} times for one structure (the "
                        f"same ops at other sizes), and each trace runs as a full recompute. Its plans are not sized "
                        f"from formulas because {why}. Pad to a few lengths, or move that code out of the region.")
-    if len(regions) > MAX_PLANS:  # a key that moves every call must not grow the cache without end
-        _retire(regions.pop(next(iter(regions))))
-        if sum(not getattr(r, "sized", False) for r in regions.values()) >= MAX_PLANS:
+    if len(regions) > _region.MAX_PLANS:  # a key that moves every call must not grow the cache without end
+        retire(regions.pop(next(iter(regions))))
+        if sum(not getattr(r, "sized", False) for r in regions.values()) >= _region.MAX_PLANS:
             _warn_once(("retraced", name),
-                       f"gradaccel.checkpoint: {name} was traced for more than {MAX_PLANS} signatures, and each "
+                       f"gradaccel.checkpoint: {name} was traced for more than {_region.MAX_PLANS} signatures, and "
+                       "each "
                        "new one runs as a full recompute: something it reads changes on every call (a new tensor "
                        "it closes over, a counter attribute, a NaN): pass such tensors as arguments.")
-    _remember(region)
+    remember(region)
     return out
-
-
-def _split(region, owner) -> bool:
-    """Where a data-dependent op ran in a submodule of the region (eager MoE experts' ``nonzero``),
-    that submodule alone becomes its own ``torch.utils.checkpoint`` and the rest of the region
-    gets a selective plan. Returns False where there is no such submodule (plain fallback)."""
-    graph = region.graph
-    sub = graph.dynamic_module() if graph.dynamic_module is not None else None
-    if not isinstance(sub, torch.nn.Module) or sub is owner or not split_off(sub, graph.dynamic_reason):
-        return False
-    _warn_once(("split", region.name, type(sub).__name__),
-               f"gradaccel.checkpoint: {region.name}: {type(sub).__name__} runs {_describe(graph.dynamic_reason)}, "
-               "which depends on tensor values: that submodule runs as torch.utils.checkpoint (recomputed whole "
-               "in backward) and the rest of the region gets a selective plan from its next call.")
-    return True
-
-
-def _retire(region) -> None:
-    """A region replaced or dropped from its cache: a backward may still hold it, but it is no
-    longer the plan, so plan_rows() leaves it out."""
-    if region is not None:
-        region.retired = True
-
-
-def _module_names(fn) -> dict[int, str]:
-    """id -> name of each submodule of the region's module, for the report's op names."""
-    root = getattr(fn, "__self__", fn)
-    return {id(m): n for n, m in root.named_modules() if n} if isinstance(root, torch.nn.Module) else {}
-
-
-def _run_dynamic(region, fn, args, kwargs, preserve_rng_state):
-    if region.budget_bytes >= region.graph.activation_bytes:
-        return fn(*args, **kwargs)  # everything fits: plain autograd
-    return _tc.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
-
-
-def _unwrap(fn, args, kwargs):
-    """``functools.partial`` layers folded into the arguments, so the plan is cached on the
-    underlying callable and tensors bound in the partial are seen as inputs."""
-    while isinstance(fn, functools.partial):
-        args = fn.args + tuple(args)
-        kwargs = {**fn.keywords, **kwargs}
-        fn = fn.func
-    return fn, args, kwargs
-
-
-def _name(fn) -> str:
-    bound = getattr(fn, "__self__", None)
-    if isinstance(bound, torch.nn.Module):
-        return f"{type(bound).__name__}.{getattr(fn, '__name__', 'forward')}"
-    if isinstance(fn, torch.nn.Module):
-        return type(fn).__name__
-    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 def checkpoint_sequential(functions, segments, input, use_reentrant=None, *, budget=None, preserve_rng_state=True,

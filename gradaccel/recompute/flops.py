@@ -10,7 +10,7 @@ The table is gradaccel's own, keyed by op name, so that importing gradaccel chan
 torch's registry (a user's ``FlopCounterMode`` counts as it did) and needs none of those
 libraries installed. Each formula takes the op's arguments as the op does and returns an int
 (a ``torch.SymInt`` on symbolic sizes). Ops not here that have no torch formula are priced by
-time and scaled with the size of their largest input (gradaccel/recompute/lengths.py).
+time and scaled with the size of their largest input (gradaccel/recompute/symbolic.py).
 
 Liger-Kernel's fused ops launch Triton kernels inside ``autograd.Function`` s rather than
 dispatcher ops, so they are not ops a trace records at all.

@@ -33,7 +33,7 @@ __all__ = ["run_parked", "parked_bytes", "MIN_BYTES"]
 
 MIN_BYTES = 1 << 16  # a smaller input is not worth a copy
 _LAST = [None]  # weakref to the most recently parked input: the previous block of the next one
-_RESIZE_LISTENERS: list = []  # callables (storage, delta bytes): gradaccel.memory.counter registers one
+_RESIZE_LISTENERS: list = []  # callables (storage, delta bytes): see add_resize_listener
 
 
 class _Parked:
@@ -83,6 +83,17 @@ class _Parked:
             pass
 
 
+def add_resize_listener(listener) -> None:
+    """Calls ``listener(storage, delta)`` whenever a parked input's device storage is resized
+    (emptied when parked, refilled when back): a byte counter (gradaccel/memory/counter.py)
+    follows the device memory that way.
+
+    Args:
+        listener: a callable ``(storage, delta bytes) -> None``.
+    """
+    _RESIZE_LISTENERS.append(listener)
+
+
 def _resized(storage, delta: int) -> None:
     for listener in _RESIZE_LISTENERS:
         listener(storage, delta)
@@ -126,7 +137,7 @@ def run_parked(call, args: tuple, store=None, order: list | None = None):
     if not nodes:
         return out  # no backward will run through it
     if store is None:
-        from gradaccel.recompute.frames import store_for
+        from gradaccel.recompute.offload_frame import store_for
 
         store = store_for(None)
     handle = store.offload(own)

@@ -355,7 +355,7 @@ def rebuildable(graph: Graph, sid: int) -> bool:
 class Shared:
     """What the first of the callables of a kind planned at one size, for the others: a model's
     layers, called one after another at a new length, have the same sized trace but for their
-    own tensors read from outside (gradaccel/recompute/lengths.py), so one planner problem and
+    own tensors read from outside (gradaccel/recompute/formulas.py), so one planner problem and
     one plan per budget serve them all."""
 
     MAX_PLANS = 8  # budgets whose plans are kept (budget=0.5 asks one; memory= one per block setting)

@@ -6,6 +6,7 @@ frames), facts about the machine (measured copy speeds), loaded libraries (grada
 the checkpointed block classes of gradaccel/recompute/blocks.py (a class, once made, must stay the same).
 """
 
+import warnings
 import weakref
 
 
@@ -13,8 +14,8 @@ class State:
     """Plans, warnings given once, and offload's host-buffer stores."""
 
     def __init__(self):
-        self.regions = weakref.WeakKeyDictionary()  # owner (module or function) -> {signature: _Region}
-        self.shapes = weakref.WeakKeyDictionary()  # owner -> {structure key: _lengths.Structure}
+        self.regions = weakref.WeakKeyDictionary()  # owner (module or function) -> {signature: region.Region}
+        self.shapes = weakref.WeakKeyDictionary()  # owner -> {structure key: structure.Structure}
         self.kinds: dict = {}  # module kind -> size formulas that modules of that kind share
         self.in_order: list = []  # weak references to every region, in creation order (plan_rows)
         self.warned: set = set()  # tags of the warnings given once
@@ -36,3 +37,15 @@ class State:
 
 
 STATE = State()
+
+
+def warn_once(tag, message: str) -> None:
+    """Warns ``message`` (a UserWarning) the first time ``tag`` is seen since the last reset.
+
+    Args:
+        tag: a hashable naming the warning and what it is about (``("fits", region name)``).
+        message: the warning's text.
+    """
+    if tag not in STATE.warned:
+        STATE.warned.add(tag)
+        warnings.warn(message, UserWarning, stacklevel=3)

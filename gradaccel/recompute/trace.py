@@ -131,7 +131,7 @@ class Graph:
     """The trace of one region. See the module docstring."""
 
     RNG = 0  # storage id of the pseudo-storage random ops read and write (the generator state)
-    sized = False  # True for a trace resized from formulas (gradaccel/recompute/lengths.py), not recorded
+    sized = False  # True for a trace resized from formulas (gradaccel/recompute/formulas.py), not recorded
     shared = None  # a sized trace's: what its kind's planner made at its sizes (recompute/plan.py Shared)
 
     def __init__(self, flat_args: list, preserve_rng_state: bool, cost="flops"):
@@ -394,7 +394,7 @@ def _flops(func, args, kwargs, out, seconds=None) -> tuple[int, str]:
 
 
 def _whole(n):
-    """``int(n)``, except that a symbolic count (gradaccel/recompute/lengths.py traces on symbolic sizes)
+    """``int(n)``, except that a symbolic count (gradaccel/recompute/symbolic.py traces on symbolic sizes)
     stays a formula: ``int()`` would pin its sizes to this call's."""
     return n if isinstance(n, torch.SymInt) else int(n)
 

@@ -186,8 +186,8 @@ def test_nothing_fits_says_what_would(monkeypatch):
     # it fetches back. (Copy cost pinned, as measured here.) The fit says so: the least-peak plan
     # without offload is its answer at that memory, not an offload plan.
     cost = lambda device, model="flops": 40.0  # noqa: E731
-    monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "offload_cost_per_byte", cost)
-    monkeypatch.setattr(gradaccel.memory.profile, "offload_cost_per_byte", cost)
+    monkeypatch.setattr(sys.modules["gradaccel.recompute.region"], "offload_cost_per_byte", cost)
+    monkeypatch.setattr(gradaccel.memory.step_peak, "offload_cost_per_byte", cost)
     monkeypatch.setattr(gradaccel.memory.kinds, "offload_cost_per_byte", cost)
     planner = Planner(model, loss_fn=hf_step)
     least = planner.fit(192, 1, 1000, slack=0)  # the least each way, with what would fit
@@ -476,14 +476,14 @@ def test_offload_predicted_and_proposed(monkeypatch):
     """Plans with offload=True: device peak predicted against the real peak (live bytes, CPU),
     host bytes against the store's; the fit proposes the offload plan when it is faster at the
     same memory, and says what offload does when nothing fits."""
-    from gradaccel.recompute.frames import store_for
+    from gradaccel.recompute.offload_frame import store_for
     from gradaccel.memory.split import least_peak
 
     # The copy's cost is measured per process from this machine's bandwidth, which a busy CI box
     # makes vary: pinned (for the checkpoint and the fit alike) so that offload pays here.
     cheap = lambda device, model="flops": 4.0  # noqa: E731
-    monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "offload_cost_per_byte", cheap)
-    monkeypatch.setattr(gradaccel.memory.profile, "offload_cost_per_byte", cheap)
+    monkeypatch.setattr(sys.modules["gradaccel.recompute.region"], "offload_cost_per_byte", cheap)
+    monkeypatch.setattr(gradaccel.memory.step_peak, "offload_cost_per_byte", cheap)
     monkeypatch.setattr(gradaccel.memory.kinds, "offload_cost_per_byte", cheap)
     gradaccel.reset_plans()
     shape = (64, 176, 2, 8, 2, 384)

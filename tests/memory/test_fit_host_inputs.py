@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 import gradaccel  # noqa: E402
 from gradaccel.memory.counter import measured_peak  # noqa: E402
 from gradaccel.memory.fit import Planner, hf_step  # noqa: E402
-from gradaccel.recompute.frames import store_for  # noqa: E402
+from gradaccel.recompute.offload_frame import store_for  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB, SEQ = 256, 6, 64, 96  # a block input: 96 x 256 x 4 = 96 KiB (fp32)
 

@@ -100,8 +100,8 @@ def test_each_kind_of_plan_is_allocated_as_predicted(small, kind, chunked, monke
     the allocator's peak over a window (kernels' scratch included) within 5% of the prediction."""
     if kind == "offload":  # the copy's cost pinned low enough that offload pays (measured per process)
         cheap = lambda device, model="flops": 4.0  # noqa: E731
-        monkeypatch.setattr(gradaccel.memory.profile, "offload_cost_per_byte", cheap)
-        monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "offload_cost_per_byte", cheap)
+        monkeypatch.setattr(gradaccel.memory.step_peak, "offload_cost_per_byte", cheap)
+        monkeypatch.setattr(sys.modules["gradaccel.recompute.region"], "offload_cost_per_byte", cheap)
     points = _points(small, kind, chunked)
     plan = _evaluate(small, SEQ, MB, MB, points, chunked_loss=chunked, host=kind == "host")
     plan.budgets = [None if b == KEEP_ALL else b for b in plan.budgets]  # keep-all: no checkpoint
@@ -133,7 +133,7 @@ def test_same_inputs_same_plan_whatever_the_measured_speeds(monkeypatch):
     idle = plan()
     monkeypatch.setattr(trace, "_RATE", [trace._cpu_flop_rate() / 100])  # a machine 100x busier
     dear = offload_cost_per_byte(torch.device("cpu")) * 10
-    monkeypatch.setattr(gradaccel.memory.profile, "offload_cost_per_byte", lambda device, model="flops": dear)
+    monkeypatch.setattr(gradaccel.memory.step_peak, "offload_cost_per_byte", lambda device, model="flops": dear)
     assert plan() == idle
 
 

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from gradaccel.recompute import lengths
+from gradaccel.recompute import symbolic
 from gradaccel.recompute import backports
 from gradaccel.recompute.backports import python_matmul
 
@@ -100,7 +100,7 @@ def test_torchs_own_kernel_is_back_after_the_block(monkeypatch):
 def test_the_symbolic_pass_keeps_matmul_sizes_symbolic_on_this_torch():
     """On every supported torch (2.11 on): with torch's own kernel (2.13) or with the copy
     (2.11), batched and folded products keep their sizes symbolic."""
-    assert lengths.sizes_matmul(), torch.__version__
+    assert symbolic.sizes_matmul(), torch.__version__
 
 
 class _Packed(torch.nn.Parameter):

@@ -391,7 +391,7 @@ def _store():
 def copy_at_memory_speed(monkeypatch):
     """Prices copies as if they ran at memory speed, the ideal on CPU (4 bytes moved per byte
     offloaded, at 8 FLOPs a byte), rather than as measured now on a shared, noisy machine."""
-    monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "offload_cost_per_byte", lambda device, cost: 32.0)
+    monkeypatch.setattr(sys.modules["gradaccel.recompute.region"], "offload_cost_per_byte", lambda device, cost: 32.0)
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.25, 0.5])
@@ -444,11 +444,11 @@ def test_offload_only_where_the_copy_is_cheaper(monkeypatch):
     block = make_block(dropout=0.1)
     x = torch.randn(2, 32, 64, requires_grad=True)
     plan_module = sys.modules["gradaccel.recompute.plan"]
-    monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "offload_cost_per_byte", lambda device, cost: 1e12)
+    monkeypatch.setattr(sys.modules["gradaccel.recompute.region"], "offload_cost_per_byte", lambda device, cost: 1e12)
     gradaccel.checkpoint(block, x, budget=0.25, offload=True).sum().backward()
     assert plan_rows()[0]["offloaded_bytes"] == 0  # copies priced out: recompute, as without offload
     reset_plans()
-    monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "offload_cost_per_byte", lambda device, cost: 1e-9)
+    monkeypatch.setattr(sys.modules["gradaccel.recompute.region"], "offload_cost_per_byte", lambda device, cost: 1e-9)
     gradaccel.checkpoint(block, x, budget=0.25, offload=True).sum().backward()
     row = plan_rows()[0]
     assert row["replayed_ops"] == [] and row["offloaded_bytes"] > 0  # free copies: nothing recomputed

@@ -294,7 +294,7 @@ def test_module_with_a_cycle_and_state_that_changes_every_call(monkeypatch):
     # A new global tensor every call (kept alive elsewhere): traced again each time, and the
     # cache stays bounded.
     global _MASK
-    monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "MAX_PLANS", 3)
+    monkeypatch.setattr(sys.modules["gradaccel.recompute.region"], "MAX_PLANS", 3)
     alive = []
     with pytest.warns(UserWarning, match="traced for more than 3 signatures"):
         for step in range(6):
@@ -313,7 +313,7 @@ def _masked(t):
 
 def test_reset_plans_clears_every_piece_of_state_and_gives_host_buffers_back(monkeypatch):
     # Copies priced as free: the planned call offloads what it drops, so the store holds buffers.
-    monkeypatch.setattr(sys.modules["gradaccel.recompute.checkpoint"], "offload_cost_per_byte", lambda device, cost: 1e-9)
+    monkeypatch.setattr(sys.modules["gradaccel.recompute.region"], "offload_cost_per_byte", lambda device, cost: 1e-9)
     net, x = _mlp(), torch.randn(32, 8, requires_grad=True)
     with pytest.warns(UserWarning, match="use_reentrant=True"):
         for _ in range(2):  # the traced call, then one that offloads

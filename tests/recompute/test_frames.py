@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from gradaccel.recompute.frames import Frame, OffloadFrame, Saved, TraceFrame
+from gradaccel.recompute.frames import Frame, Saved, TraceFrame
+from gradaccel.recompute.offload_frame import OffloadFrame
 from gradaccel.recompute.plan import make_plan
 from gradaccel.recompute.roles import Source
 from gradaccel.recompute.state import STATE

@@ -64,7 +64,7 @@ def test_inputs_leave_the_device_count():
     base.requires_grad_(False)  # frozen weights (as under LoRA): the peak is activations, not grads
     kept = gradaccel.checkpoint_blocks(copy.deepcopy(base))
     parked = gradaccel.checkpoint_blocks(copy.deepcopy(base), inputs_on_host=True)
-    store = gradaccel.recompute.frames.store_for(None)
+    store = gradaccel.recompute.offload_frame.store_for(None)
     held_kept, peak_kept = _held_after_forward(kept, x)
     before = store.bytes_in_use
     held_parked, peak_parked = _held_after_forward(parked, x)
@@ -81,7 +81,7 @@ def test_inputs_leave_the_device_count():
 def test_host_holds_the_inputs_between_forward_and_backward():
     torch.manual_seed(0)
     model = gradaccel.checkpoint_blocks(Stack(), inputs_on_host=True)
-    store = gradaccel.recompute.frames.store_for(None)
+    store = gradaccel.recompute.offload_frame.store_for(None)
     before = store.bytes_in_use
     out = model(torch.randn(1, T, WIDTH, requires_grad=True) * 1.0)  # not a leaf: parked too
     assert store.bytes_in_use - before == LAYERS * T * WIDTH * 4
@@ -147,7 +147,7 @@ def test_hf_llama_with_gradient_checkpointing():
     parked = copy.deepcopy(base)
     parked.gradient_checkpointing_enable()
     gradaccel.checkpoint_blocks(parked, inputs_on_host=True)  # takes over HF's hook
-    store = gradaccel.recompute.frames.store_for(None)
+    store = gradaccel.recompute.offload_frame.store_for(None)
     calls = []
     real = host_inputs._Parked.restore
     host_inputs._Parked.restore = lambda self, *a: calls.append(1) or real(self)

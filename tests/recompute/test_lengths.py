@@ -1,5 +1,5 @@
 """Plans across sequence lengths: one trace per structure, every new length planned from size
-formulas (gradaccel/recompute/lengths.py), checked against no checkpointing at each length."""
+formulas (gradaccel/recompute/structure.py, symbolic.py, formulas.py), checked against no checkpointing at each length."""
 
 import copy
 import math
@@ -14,10 +14,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import gradaccel
 from _models import Block, GPTConfig, assert_grads_match
-from gradaccel.recompute import lengths as _lengths
+from gradaccel.recompute import formulas as _formulas
+from gradaccel.recompute import structure as _structure
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.roles import Source
-from gradaccel.recompute.checkpoint import MAX_PLANS, plan_rows, reset_plans
+from gradaccel.recompute.checkpoint import plan_rows, reset_plans
+from gradaccel.recompute.region import MAX_PLANS
 from gradaccel.memory.counter import held_activation_bytes
 
 # Traced at the first; then shorter and longer than any seen, one equal to n_embd (64).
@@ -169,7 +171,7 @@ def test_hf_model_over_lengths_traces_each_layer_once():
     regions = [list(STATE.regions[layer].values())[-1] for layer in model.model.layers]
     first, second = (r.graph for r in regions)
     assert first.sized and second.sized and first.shared is second.shared and first.shared.arrays
-    assert first.ops is second.ops and any(isinstance(op, _lengths._SizedOp) for op in first.ops)
+    assert first.ops is second.ops and any(isinstance(op, _formulas._SizedOp) for op in first.ops)
     a, b = regions[0].plan, regions[1].plan
     assert a.steps is b.steps and a.reads is b.reads and a.steps
     params = [{id(p) for p in layer.parameters()} for layer in model.model.layers]
@@ -268,7 +270,7 @@ def test_thousand_lengths_keep_state_flat():
     assert traces(net) == [1]
     assert len(STATE.regions[net]) <= MAX_PLANS and len(STATE.shapes[net]) == 1
     assert len(STATE.in_order) < 2 * MAX_PLANS and len(STATE.kinds) == 1  # dead references swept out
-    assert len(STATE.shapes[net][next(iter(STATE.shapes[net]))].templates) <= _lengths.MAX_TEMPLATES
+    assert len(STATE.shapes[net][next(iter(STATE.shapes[net]))].templates) <= _structure.MAX_TEMPLATES
     assert counts[1] - counts[0] < 500  # host objects flat: plans per length are dropped, not kept
 
 
@@ -306,11 +308,11 @@ def test_size_pinned_by_python_arithmetic_is_traced_per_length_and_warned_about(
     fn = lambda t: gradaccel.checkpoint(m, t, budget=0.5)  # noqa: E731
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for seed, T in enumerate(range(3, 3 + 4 * _lengths.MAX_TEMPLATES + 2)):
+        for seed, T in enumerate(range(3, 3 + 4 * _structure.MAX_TEMPLATES + 2)):
             check_length(fn, m, [torch.randn(2, T, 8, requires_grad=True)], 0.5, seed, m)
     (structure,) = STATE.shapes[m].values()
-    assert structure.traces == 4 * _lengths.MAX_TEMPLATES + 2 and structure.sized == 0
-    assert structure.passes == _lengths.MAX_TEMPLATES  # not one symbolic pass per length
+    assert structure.traces == 4 * _structure.MAX_TEMPLATES + 2 and structure.sized == 0
+    assert structure.passes == _structure.MAX_TEMPLATES  # not one symbolic pass per length
     assert sum("for one structure" in str(w.message) for w in caught) == 1
 
 

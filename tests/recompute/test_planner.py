@@ -173,14 +173,15 @@ def test_offload_and_rng_accounting_match_the_old_rule(seed):
 
 
 def test_a_region_is_planned_in_one_call(monkeypatch):
-    """``_Region`` plans with one call of the C++ planner, offload and generator state included."""
+    """A ``Region`` plans with one call of the C++ planner, offload and generator state included."""
     import torch
 
     from gradaccel.recompute import plan as _plan
     from gradaccel.recompute.state import STATE
 
     ckpt = sys.modules["gradaccel.recompute.checkpoint"]
-    monkeypatch.setattr(ckpt, "offload_cost_per_byte", lambda device, cost: 1e-9)  # copies priced as free
+    region_mod = sys.modules["gradaccel.recompute.region"]
+    monkeypatch.setattr(region_mod, "offload_cost_per_byte", lambda device, cost: 1e-9)  # copies priced as free
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Dropout(0.1), torch.nn.GELU(),
                                 torch.nn.Linear(256, 64))
@@ -203,7 +204,7 @@ def test_a_region_is_planned_in_one_call(monkeypatch):
             return self.problem.replay(*a, **kw)
 
     monkeypatch.setattr(_plan, "_problem", lambda *a: Counting(real(*a)))
-    region = ckpt._Region("again", traced.graph, 0.5, [], traced.store)
+    region = region_mod.Region("again", traced.graph, 0.5, [], traced.store)
     ckpt.reset_plans()
     assert calls == ["plan"]
     plan = region.plan
