@@ -71,7 +71,7 @@ _ABSENT = object()
 def block_kind(block: nn.Module) -> tuple:
     """Blocks with equal kinds trace alike: class, parameter shapes, dtypes and trainability,
     and plain settings (``attention_type``, ``eps``), except layer indices, gradaccel's own
-    plan settings (``_gradaccel_budget``, parts on or off: inputs of a plan, which the profile
+    plan (its ``BlockPlan``, its parts on or off: inputs of a plan, which the profile
     chooses itself) and settings equal to their class's default (``gradient_checkpointing =
     False`` once set on the instance)."""
     parts = []
@@ -227,7 +227,7 @@ def run_plan(forward, plan, args, kwargs):
         block = forward.__self__
 
         def parts(*a, **k):  # the children's checkpoints rerun their plain forwards
-            set_parts(block, True, slices_of(plan), whole=is_nested(plan))
+            set_parts(block, True, slices_of(plan))
             try:
                 return forward(*a, **k)
             finally:

@@ -37,6 +37,7 @@ from gradaccel.memory.parts import (PARTS, check_structure, has_parts, has_tiles
                                     nested, set_parts, slice_counts, sliced, sliced_count, slices_of, tiles)
 from gradaccel.memory.parking import DEVICE, HOST, PAIR, PAIRED, PARKED
 from gradaccel.memory.sliced import kv_flops, why_not
+from gradaccel.recompute.block_plan import plan_of
 from gradaccel.recompute.blocks import _find_blocks, _find_by_type, _find_checkpointed, model_class
 
 RUNS = [0]  # fake-tensor profiles made in this process (one per Profile): what planning costs
@@ -101,7 +102,7 @@ class Profile:
         for b in self.blocks:
             if getattr(b, "gradient_checkpointing", False):
                 b.gradient_checkpointing = False  # the profile runs blocks itself
-            if "_gradaccel_fine" in b.__dict__:
+            if plan_of(b) is not None:
                 set_parts(b, False)  # the plan the model runs now (a fit's, say) is not what is profiled
         kinds: dict = {}
         for i, b in enumerate(self.blocks):

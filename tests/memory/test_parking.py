@@ -16,6 +16,7 @@ from gradaccel.memory.fit import Planner, _evaluate, _least, hf_step  # noqa: E4
 from gradaccel.memory.parking import (DEVICE, HOST, PAIR, PAIRED, default_host_memory, describe,  # noqa: E402
                                       host_budget, parkings)
 from gradaccel.memory.parts import is_sliced  # noqa: E402
+from gradaccel.recompute.block_plan import plan_of  # noqa: E402
 
 HIDDEN, INTER, LAYERS, VOCAB, SEQ = 128, 512, 6, 64, 1024
 INPUT = SEQ * HIDDEN * 4  # one block input, fp32
@@ -120,7 +121,7 @@ def test_memory_target_keeps_within_the_host_budget():
     roles = next(iter(target.hosts.values()))
     assert isinstance(roles, tuple) and sum(r in (HOST, PAIR) for r in roles) <= 2, roles
     for layer, role in zip(model.model.layers, roles):
-        assert layer._gradaccel_inputs_on_host == (role in (HOST, PAIR))
+        assert plan_of(layer).parked == (role in (HOST, PAIR))
     for p, q in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="host_memory"):
