@@ -44,6 +44,7 @@ import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_map
 
+from gradaccel.recompute.block_plan import plan_of
 from gradaccel.recompute.frames import TraceFrame
 from gradaccel.recompute.plan import Planner, capture_rng, rng_state_bytes
 from gradaccel.recompute.trace import DataReads, Graph, Opaque, Ref
