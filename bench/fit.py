@@ -23,6 +23,7 @@ import gradaccel
 from bench.common import backward_flops, hf_checkpointing, progress, pyplot, row, save_figure, tiny
 from gradaccel.memory.fit import Planner, find_blocks, hf_step
 from gradaccel.memory.counter import measured_peak
+from gradaccel.recompute.block_plan import BlockPlan, set_plan
 
 SUITE = "fit"
 BASELINE = ["gradaccel-measured", "gradaccel-equal-fraction"]
@@ -66,7 +67,7 @@ def run(device: str, quick: bool) -> list[dict]:
         ids = torch.randint(0, vocab, (mb, seq), device=device)
         batch = {"input_ids": ids, "labels": ids}
         for block, b in zip(find_blocks(model), budgets):
-            block._gradaccel_budget = b
+            set_plan(block, BlockPlan.parse(b))
         opt = gradaccel.FusedAccumOptimizer(torch.optim.AdamW(model.parameters()), 1)
         measured = measured_peak(model, opt, hf_step, batch)
         del opt

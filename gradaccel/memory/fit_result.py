@@ -13,7 +13,7 @@ from gradaccel.memory.chunked_loss import install_head
 from gradaccel.memory import fit_table
 from gradaccel.memory.fit_check import MicroBatchGuard, check
 from gradaccel.memory.fit_lengths import FittedLengths
-from gradaccel.memory.parking import HOST, set_parking
+from gradaccel.memory.parking import HOST
 from gradaccel.memory.profile import find_blocks
 from gradaccel.memory.target import set_plans
 from gradaccel.recompute import blocks as blocks_mod
@@ -28,7 +28,8 @@ class Fit:
     seq: int
     micro_batch: int
     accum_steps: int
-    budgets: list  # per block: the int budget (bytes) for gradaccel.checkpoint, or a plan named in parts.py
+    budgets: list  # per block, its plan's setting: an int budget (bytes) for gradaccel.checkpoint, or a plan named
+    # in parts.py (gradaccel/recompute/block_plan.py's BlockPlan.parse reads them)
     kept: int  # bytes the blocks keep in total beyond their inputs
     peak: int  # predicted peak of the step, slack excluded
     parts: dict  # what the peak is made of (bytes)
@@ -83,9 +84,8 @@ class Fit:
                              "causal LM with its stock loss")
         blocks_mod.install(model, offload=self.offload, inputs_on_host=self.inputs_on_host)
         blocks = find_blocks(model)
-        set_plans(model, blocks, self.chunked_loss, self.budgets)
-        if self.inputs_on_host:
-            set_parking(blocks, self.parking or (HOST,) * len(blocks))
+        set_plans(model, blocks, self.chunked_loss, self.budgets,
+                  (self.parking or (HOST,) * len(blocks)) if self.inputs_on_host else None)
         model.register_forward_pre_hook(MicroBatchGuard(self.micro_batch, force), with_kwargs=True)
         planner = getattr(self, "_planner", None)  # set by Planner.fit; not a field (to_dict)
         if planner is not None and not (self.offload or self.inputs_on_host) and self.memory is not None:

@@ -207,7 +207,7 @@ def run_plan(forward, plan, args, kwargs):
         block = forward.__self__
 
         def parts(*a, **k):  # the children's checkpoints rerun their plain forwards
-            set_parts(block, True, slices_of(plan), whole=is_nested(plan))
+            set_parts(block, True, slices_of(plan))
             try:
                 return forward(*a, **k)
             finally:

@@ -21,14 +21,15 @@ phases). Fewer pairs recompute less; more pairs hold less on the device. The spl
 ``Profile.step_terms``), and the fit keeps the one with the least recompute that fits.
 """
 
+import dataclasses
+
 from gradaccel.memory.counter import format_bytes, parse_bytes
 from gradaccel.memory.sliced import why_not
+# The roles are a block plan's parking (gradaccel/recompute/block_plan.py).
+from gradaccel.recompute.block_plan import DEVICE, HOST, PAIR, PAIRED, PARKED, BlockPlan, plan_of, set_plan
 
 __all__ = ["HOST", "DEVICE", "PAIR", "PAIRED", "PARKED", "host_budget", "default_host_memory", "parkings",
-           "parked", "layouts", "describe", "set_parking"]
-
-HOST, DEVICE, PAIR, PAIRED = "host", "device", "pair", "paired"
-PARKED = (HOST, PAIR)  # roles whose input goes to the host
+           "parked", "layouts", "describe", "check_roles", "parked_plan", "set_parking"]
 MARGIN = (0.10, 2 << 30)  # of the available memory kept for everything else: a share, and at least this
 
 
@@ -133,19 +134,33 @@ def describe(roles) -> str:
     return "; ".join((f"{a}" if a == z else f"{a}-{z}") + f" {name}" for a, z, name in runs)
 
 
-def set_parking(blocks: list, roles) -> None:
-    """Sets where each of ``blocks``' inputs waits between forward and backward: its role in
-    ``roles`` (one per block). A pair's first block runs both under one checkpoint
-    (gradaccel/memory/sliced.py); the second then hands its input, the pair's output, on."""
-    if len(roles) != len(blocks):
-        raise ValueError(f"roles: {len(roles)} given for {len(blocks)} blocks")
-    for i, (block, role) in enumerate(zip(blocks, roles)):
+def check_roles(roles, n: int) -> tuple:
+    """``roles`` as a tuple of ``n`` roles, each a pair's first only before its second; else ValueError."""
+    roles = tuple(roles)
+    if len(roles) != n:
+        raise ValueError(f"roles: {len(roles)} given for {n} blocks")
+    for i, role in enumerate(roles):
         if role not in (HOST, DEVICE, PAIR, PAIRED):
             raise ValueError(f"roles[{i}] must be one of {HOST!r}, {DEVICE!r}, {PAIR!r}, {PAIRED!r}, got {role!r}")
         if role == PAIR and (i + 1 == len(roles) or roles[i + 1] != PAIRED):
             raise ValueError(f"roles[{i}] is {PAIR!r}: the next block must be {PAIRED!r}")
-        block._gradaccel_inputs_on_host = role in PARKED
+    return roles
+
+
+def parked_plan(plan: BlockPlan, blocks: list, i: int, role: str) -> BlockPlan:
+    """Block ``i``'s ``plan`` with its input waiting as ``role`` says: a pair's first block runs
+    both under one checkpoint (gradaccel/memory/sliced.py); the second then hands its input,
+    the pair's output, on."""
+    return dataclasses.replace(plan, parking=role, pair=blocks[i + 1] if role == PAIR else None)
+
+
+def set_parking(blocks: list, roles) -> None:
+    """Sets where each of ``blocks``' inputs waits between forward and backward: its role in
+    ``roles`` (one per block), in the plan each already holds (``set_plans`` gives them one)."""
+    roles = check_roles(roles, len(blocks))
+    for i, (block, role) in enumerate(zip(blocks, roles)):
+        plan = plan_of(block)
+        if plan is None:
+            raise ValueError(f"blocks[{i}] has no plan to park: give the blocks plans first (set_plans)")
         block.__dict__.pop("_gradaccel_pending", None)
-        # A plain __dict__ entry: a module in an attribute would be registered as a child.
-        block.__dict__["_gradaccel_pair"] = blocks[i + 1] if role == PAIR else None
-        block._gradaccel_paired = role == PAIRED
+        set_plan(block, parked_plan(plan, blocks, i, role))

@@ -2,9 +2,10 @@
 of their own; in "tiles" mode a token-wise child (an MLP) runs a slice of the sequence at a
 time, each slice its own checkpoint.
 
-Every plan that is not a byte budget is named here, in one place: ``"parts"``, ``"tiles:n"``
-and ``"nested:n"`` (this module's), ``"sliced:n"`` (the whole block ``n`` slices of the sequence
-at a time, keys and values whole: gradaccel/memory/sliced.py); :func:`slices_of` reads ``n``.
+A block's plan is a :class:`~gradaccel.recompute.block_plan.BlockPlan`; its settings
+(``"parts"``, ``"tiles:n"`` and ``"nested:n"``, this module's, ``"sliced:n"``: the whole block
+``n`` slices of the sequence at a time, keys and values whole, gradaccel/memory/sliced.py) are
+read by ``BlockPlan.parse`` alone; :func:`slices_of` and the ``is_*`` tests here ask it.
 
 Below the per-block floor, backward's working set is what counts: a block run as parts rebuilds
 one part at a time, not the whole block while every gradient made so far is alive; with tiles,
@@ -41,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel.memory.sliced import why_not
 from gradaccel.recompute import compiled
+from gradaccel.recompute.block_plan import BlockPlan, Mode
 from gradaccel.recompute.blocks import model_class
 
 __all__ = ["has_parts", "has_tiles", "install_parts", "set_parts", "slice_counts", "slices_of", "tiles",
@@ -56,48 +58,57 @@ PARTS = "parts"
 
 def tiles(n: int) -> str:
     """The plan name of parts with token-wise parts in ``n`` slices: ``"tiles:n"``."""
-    return f"tiles:{int(n)}"
+    return BlockPlan(Mode.TILES, slices=int(n)).to_setting()
 
 
 def nested(n: int) -> str:
     """The plan name of a keep-nothing checkpoint of the block whose recompute runs its parts,
     token-wise parts in ``n`` slices: ``"nested:n"``."""
-    return f"nested:{int(n)}"
+    return BlockPlan(Mode.NESTED, budget=0, slices=int(n)).to_setting()
 
 
 def sliced(n: int) -> str:
     """The plan name of the whole block in ``n`` slices of the sequence, keys and values whole
     (gradaccel/memory/sliced.py): ``"sliced:n"``."""
-    return f"sliced:{int(n)}"
+    return BlockPlan(Mode.SLICED, slices=int(n)).to_setting()
+
+
+def _parsed(setting):
+    """``setting``'s mode where it is a block's setting, else None (a profile's plan object)."""
+    if isinstance(setting, str) or setting is None or isinstance(setting, (int, float, tuple, list)):
+        try:
+            return BlockPlan.parse(setting)
+        except ValueError:
+            return None
+    return None
 
 
 def slices_of(setting) -> int:
     """Slices of a plan that runs the block in pieces: 1 for ``"parts"``, ``n`` for ``"tiles:n"``,
     ``"nested:n"`` and ``"sliced:n"``, 0 for any other setting (a checkpoint budget, None, "all").
     Such plans are run in the profile (their peak is measured, not estimated)."""
-    if setting == PARTS:
-        return 1
-    for prefix in ("tiles:", "nested:", "sliced:"):
-        if isinstance(setting, str) and setting.startswith(prefix):
-            return int(setting[len(prefix):])
-    return 0
+    plan = _parsed(setting)
+    return 0 if plan is None else plan.slices
 
 
 def is_nested(setting) -> bool:
     """Whether ``setting`` is a keep-nothing checkpoint of the block around its parts (``"nested:n"``)."""
-    return isinstance(setting, str) and setting.startswith("nested:")
+    plan = _parsed(setting)
+    return plan is not None and plan.mode is Mode.NESTED
 
 
 def is_sliced(setting) -> bool:
     """Whether ``setting`` runs the whole block a slice of the sequence at a time (``"sliced:n"``)."""
-    return isinstance(setting, str) and setting.startswith("sliced:")
+    plan = _parsed(setting)
+    return plan is not None and plan.mode is Mode.SLICED
 
 
 def is_parts(setting) -> bool:
     """Whether ``setting`` runs a block as its parts, uncheckpointed itself (``"parts"`` or
     ``"tiles:n"``; a nested plan checkpoints the block: :func:`is_nested`; a sliced one is a
     node of its own that holds its input alone: :func:`is_sliced`)."""
-    return slices_of(setting) > 0 and not is_nested(setting) and not is_sliced(setting)
+    plan = _parsed(setting)
+    return plan is not None and plan.mode in (Mode.PARTS, Mode.TILES)
 
 
 def slice_counts(tokens: int) -> list:
@@ -131,7 +142,8 @@ def _put(args, kwargs, where, value):
 def _part_forward(module, *args, **kwargs):
     forward = type(module).forward.__get__(module)
     d = module.__dict__
-    if not (d.get("_gradaccel_part") and module.training and torch.is_grad_enabled()):
+    tiles_n = d.get("_gradaccel_part", 0)  # 0: off; else on, token-wise in that many slices (set_parts)
+    if not (tiles_n and module.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
     consumer = d.get("_gradaccel_joined")
     if consumer is not None:
@@ -154,7 +166,6 @@ def _part_forward(module, *args, **kwargs):
             return inner(*a, **k)
 
         args = (x,) + args
-    tiles_n = d.get("_gradaccel_tiles", 1)
     if tiles_n > 1 and len(args) == 1 and not kwargs and torch.is_tensor(args[0]) and args[0].dim() >= 2:
         # A token-wise part (an MLP, with its norm if joined): each slice of tokens is its own
         # checkpoint, so backward rebuilds one slice's intermediates at a time. Outputs are
@@ -199,27 +210,26 @@ def install_parts(block: nn.Module) -> None:
     """Lets ``block``'s children run as their own checkpoints (off until :func:`set_parts`)."""
     for child in _parts_of(block):
         if "_gradaccel_part" not in child.__dict__:
-            child._gradaccel_part = False
+            child._gradaccel_part = 0
             child.forward = functools.partial(_part_forward, child)
 
 
-def set_parts(block: nn.Module, on: bool, slices: int = 1, whole: bool = False) -> None:
+def set_parts(block: nn.Module, on: bool, slices: int = 1) -> None:
     """``on``: ``block``'s children run as keep-nothing checkpoints, each norm inside its
-    consumer's where :func:`check_structure` found that safe, and the block itself runs
-    uncheckpointed (``whole``: checkpointed still, the parts inside it: a nested plan);
-    ``slices``: its token-wise children (MLPs) that many slices of tokens at a time (``True``:
-    TILE_CHUNKS)."""
+    consumer's where :func:`check_structure` found that safe; ``slices``: its token-wise
+    children (MLPs) that many slices of tokens at a time (``True``: TILE_CHUNKS). Whether the
+    block itself is checkpointed around them is its plan's (PARTS/TILES: not; NESTED: it is).
+    Each child holds one number (``_gradaccel_part``: 0 off, else its slices), the share of the
+    block's plan it reads at its forward."""
     slices = TILE_CHUNKS if slices is True else max(1, int(slices or 1))
     if on:
         install_parts(block)
-    block._gradaccel_fine = on and not whole
     named = dict(block.named_children())
     joins = _STRUCTURES.get(_structure_key(block), ([], []))[0] if on else []
     for child in _parts_of(block):
         d = child.__dict__
         if "_gradaccel_part" in d:
-            child._gradaccel_part = on
-            child._gradaccel_tiles = slices if on and _token_wise(child) else 1
+            child._gradaccel_part = (slices if _token_wise(child) else 1) if on else 0
             for k in ("_gradaccel_joined", "_gradaccel_pre", "_gradaccel_pending"):
                 d.pop(k, None)
     for norm, consumer, where in joins:

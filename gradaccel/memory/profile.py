@@ -37,6 +37,7 @@ from gradaccel.memory.parts import (PARTS, check_structure, has_parts, has_tiles
                                     set_parts, slice_counts, sliced, sliced_count, slices_of, tiles)
 from gradaccel.memory.step_peak import StepPeak
 from gradaccel.memory.sliced import kv_flops, why_not
+from gradaccel.recompute.block_plan import plan_of
 
 RUNS = [0]  # fake-tensor profiles made in this process (one per Profile): what planning costs
 
@@ -84,7 +85,7 @@ class Profile(StepPeak):
         for b in self.blocks:
             if getattr(b, "gradient_checkpointing", False):
                 b.gradient_checkpointing = False  # the profile runs blocks itself
-            if "_gradaccel_fine" in b.__dict__:
+            if plan_of(b) is not None:
                 set_parts(b, False)  # the plan the model runs now (a fit's, say) is not what is profiled
         kinds: dict = {}
         for i, b in enumerate(self.blocks):

@@ -41,11 +41,12 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten
 
+from gradaccel.recompute.block_plan import BlockPlan, Mode, plan_of, set_plan
 from gradaccel.recompute.blocks import model_class
 from gradaccel.recompute.host_inputs import run_parked
 from gradaccel.recompute.context import capture_rng, rng_restored
 
-__all__ = ["ATTENTION", "why_not", "run_sliced", "set_sliced", "attend", "kv_flops"]
+__all__ = ["ATTENTION", "why_not", "run_sliced", "install_sliced", "set_sliced", "attend", "kv_flops"]
 
 # Decoder layer -> its attention class, whose forwards run_sliced reproduces (transformers 5.x).
 ATTENTION = {"LlamaDecoderLayer": "LlamaAttention", "MistralDecoderLayer": "MistralAttention",
@@ -325,24 +326,26 @@ def run_sliced(block, n: int, forward, args: tuple, kwargs: dict):
 
 
 def _sliced_forward(block, *args, **kwargs):
-    """The forward :func:`set_sliced` gives a block: sliced in training, its input parked on the
-    host where ``inputs_on_host`` says so, and run with the next block under one checkpoint where
-    it is a pair's first (gradaccel/memory/parking.py); as the model's own otherwise."""
+    """The forward :func:`install_sliced` gives a block: sliced in training where its plan is
+    SLICED, its input parked on the host where the plan's parking says so, and run with the next
+    block under one checkpoint where it is a pair's first (gradaccel/memory/parking.py); as the
+    model's own otherwise."""
     forward = model_class(block).forward.__get__(block)
-    d = block.__dict__
-    n = d.get("_gradaccel_sliced", 0)
-    if not (n and block.training and torch.is_grad_enabled()):
+    plan = plan_of(block)
+    if not (plan is not None and plan.mode is Mode.SLICED and block.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
-    pending = d.pop("_gradaccel_pending", None)
+    n = plan.slices
+    pending = block.__dict__.pop("_gradaccel_pending", None)
     if pending is not None and args and args[0] is pending:
         return pending  # the pair's first block ran this one inside its checkpoint
-    tail = d.get("_gradaccel_pair")
-    if tail is not None and tail.__dict__.get("_gradaccel_sliced"):
+    tail = plan.pair
+    tail_plan = plan_of(tail)
+    if tail_plan is not None and tail_plan.mode is Mode.SLICED:
         tail_forward = model_class(tail).forward.__get__(tail)
 
         def both(x):
             y = run_sliced(block, n, forward, (x,), kwargs)
-            return run_sliced(tail, tail._gradaccel_sliced, tail_forward, (y,), kwargs)
+            return run_sliced(tail, tail_plan.slices, tail_forward, (y,), kwargs)
 
         def run(*a):
             return torch.utils.checkpoint.checkpoint(both, *a, use_reentrant=False)
@@ -352,16 +355,23 @@ def _sliced_forward(block, *args, **kwargs):
         def run(*a):
             return run_sliced(block, n, forward, a, kwargs)
 
-    out = run_parked(run, args) if d.get("_gradaccel_inputs_on_host") else run(*args)
+    out = run_parked(run, args) if plan.parked else run(*args)
     if tail is not None:
         tail.__dict__["_gradaccel_pending"] = out
     return out
 
 
-def set_sliced(block, n: int) -> None:
-    """``n`` > 0: ``block`` runs as ``n`` slices in training (its checkpoint off: the plan is its
-    own); 0: as the rest of its settings say."""
-    block._gradaccel_sliced = max(0, int(n))
+def install_sliced(block) -> None:
+    """Gives ``block`` the forward that runs it sliced whenever its plan is SLICED (once)."""
     installed = block.__dict__.get("forward")
-    if n and getattr(installed, "func", None) is not _sliced_forward:
+    if getattr(installed, "func", None) is not _sliced_forward:
         block.forward = functools.partial(_sliced_forward, block)
+
+
+def set_sliced(block, n: int) -> None:
+    """``block`` runs as ``n`` slices in training (``n`` >= 1; its checkpoint off: the plan is its
+    own), its plan's parking kept."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    install_sliced(block)
+    set_plan(block, (plan_of(block) or BlockPlan()).run_as(BlockPlan(Mode.SLICED, slices=n)))

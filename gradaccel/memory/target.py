@@ -46,6 +46,7 @@ choices.
 """
 
 import copy
+import dataclasses
 import threading
 import warnings
 
@@ -56,13 +57,14 @@ from torch.utils._pytree import tree_flatten
 from gradaccel.memory import zero3
 from gradaccel.memory.fixed_parts import unpacked
 from gradaccel.memory.chunked_loss import head_flops, install_head, set_head
-from gradaccel.memory.parts import install_parts, is_nested, is_sliced, set_parts, slices_of
-from gradaccel.memory.parking import DEVICE, HOST, host_budget, layouts, set_parking
-from gradaccel.memory.sliced import set_sliced
+from gradaccel.memory.parts import install_parts, set_parts, slices_of
+from gradaccel.memory.parking import DEVICE, HOST, check_roles, host_budget, layouts, parked_plan
+from gradaccel.memory.sliced import install_sliced
 from gradaccel.memory.lengths import LengthProfile, at_length, length_of, profile_lengths
 from gradaccel.memory.profile import KEEP_ALL, Profile, find_blocks
 from gradaccel.memory.split import least_peak, least_recompute, uncheckpointed
 from gradaccel.recompute import compiled
+from gradaccel.recompute.block_plan import BlockPlan, Mode, plan_of, set_plan
 
 __all__ = ["MemoryTarget", "set_plans"]
 
@@ -90,24 +92,32 @@ def _step(model, batch):
         return _loss_of(model(*args, **kwargs))
 
 
-def set_plans(model: nn.Module, blocks: list, chunked_loss: bool, settings: list) -> None:
-    """Sets what each of ``model``'s checkpointed ``blocks`` runs: ``settings[i]`` is block
-    ``i``'s int budget, None (uncheckpointed), or ``"parts"`` / ``"tiles:n"`` / ``"nested:n"`` /
-    ``"sliced:n"`` (gradaccel/memory/parts.py); and the
-    loss in chunks on or off (the head must be installed to turn it on)."""
+def set_plans(model: nn.Module, blocks: list, chunked_loss: bool, settings: list, roles=None,
+              policies=None) -> None:
+    """Gives each of ``model``'s checkpointed ``blocks`` its plan (one ``BlockPlan`` each,
+    gradaccel/recompute/block_plan.py), and turns the loss in chunks on or off (the head must be
+    installed to turn it on).
 
-    for block, s in zip(blocks, settings):
-        parts = slices_of(s) > 0 and not is_sliced(s)
-        if parts:
-            install_parts(block)
-        set_parts(block, parts, slices_of(s), whole=is_nested(s))
-        set_sliced(block, slices_of(s) if is_sliced(s) else 0)
-        if s is None or is_sliced(s):  # no checkpoint: none needed, or the sliced plan's own node
-            block._gradaccel_fine = True
-        elif is_nested(s):
-            block._gradaccel_budget = 0  # keep nothing: torch.utils.checkpoint around the parts
-        elif not parts:
-            block._gradaccel_budget = s
+    Args:
+        settings: per block, a setting ``BlockPlan.parse`` reads: an int budget, None
+            (uncheckpointed), ``"parts"`` / ``"tiles:n"`` / ``"nested:n"`` / ``"sliced:n"``.
+        roles: per block, where its input waits (gradaccel/memory/parking.py); None: as it was
+            (a Hugging Face layer's first plan: as ``checkpoint_blocks`` was told).
+        policies: per block, its plan's policy under torch.compile (gradaccel/recompute/compiled.py).
+    """
+    roles = None if roles is None else check_roles(roles, len(blocks))
+    for i, (block, s) in enumerate(zip(blocks, settings)):
+        run = BlockPlan.parse(s)
+        set_parts(block, run.as_parts, run.slices)
+        if run.mode is Mode.SLICED:
+            install_sliced(block)
+        plan = (plan_of(block) or BlockPlan()).run_as(run)
+        if roles is not None:
+            block.__dict__.pop("_gradaccel_pending", None)
+            plan = parked_plan(plan, blocks, i, roles[i])
+        if policies is not None and policies[i] is not None:
+            plan = dataclasses.replace(plan, policy=policies[i])
+        set_plan(block, plan)
     set_head(model, chunked_loss)
 
 
@@ -212,10 +222,9 @@ class MemoryTarget:
             # the middle of training.
             settings = [_EVERYTHING if s is None else s for s in settings]
         # The loss computed outside the model (no labels): logits as they are.
-        self._set(module, blocks, head and kwargs.get("labels") is not None, settings, host)
-        if compiling:  # each block's plan as compile runs it; dynamo guards on these objects
-            for block, policy in zip(blocks, self.policies.get(key) or [None] * len(blocks)):
-                block._gradaccel_policy = policy
+        # Under compile, each block's plan as compile runs it (dynamo guards on these objects).
+        self._set(module, blocks, head and kwargs.get("labels") is not None, settings, host,
+                  self.policies.get(key) if compiling else None)
         return None
 
     def _longest(self, args, kwargs):
@@ -304,11 +313,11 @@ class MemoryTarget:
                           f"seq={self.seq}: it is profiled on fake tensors once, and the planned range grows to it",
                           UserWarning, stacklevel=6)
 
-    def _set(self, model, blocks, head, settings, host=False):
-        set_plans(model, blocks, head, settings)
+    def _set(self, model, blocks, head, settings, host=False, policies=None):
         # Read by the checkpointed forward (either route: gradaccel/recompute/blocks.py, sliced.py).
         on = host or self.inputs_on_host
-        set_parking(blocks, host if isinstance(host, tuple) else ((HOST if on else DEVICE),) * len(blocks))
+        roles = host if isinstance(host, tuple) else ((HOST if on else DEVICE),) * len(blocks)
+        set_plans(model, blocks, head, settings, roles, policies)
 
     def _choose(self, module, args, kwargs, predict=True):
         """``((head, settings), (mode, peak, floor))`` for this call, the inputs on the host
@@ -402,10 +411,11 @@ class MemoryTarget:
         settings = [_setting(p, prof.kind_of[i]) for i, p in enumerate(points)]
         if host:  # a block that keeps everything is still checkpointed: that is what parks its input
             settings = [p.budget if st is None else st for st, p in zip(settings, points)]
-        used = {slices_of(s) for s in settings if slices_of(s) > 0 and not is_sliced(s)}
+        modes = [BlockPlan.parse(s) for s in settings]
+        used = {p.slices for p in modes if p.as_parts}
         mode = tuple(m for m, on in (("parts", bool(used)), ("tiles", max(used, default=1) > 1),
-                                     ("nested", any(is_nested(s) for s in settings)),
-                                     ("sliced", any(is_sliced(s) for s in settings)), ("head", head),
+                                     ("nested", any(p.mode is Mode.NESTED for p in modes)),
+                                     ("sliced", any(p.mode is Mode.SLICED for p in modes)), ("head", head),
                                      ("host", host)) if on)
         policies = [compiled.policy_of(p.plan) if isinstance(st, int) and getattr(p, "plan", None) is not None else None
                     for st, p in zip(settings, points)]

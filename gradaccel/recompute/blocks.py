@@ -9,6 +9,7 @@ for a subclass whose ``forward`` runs inside ``gradaccel.checkpoint``: the param
 run in ``__call__`` around ``forward``, so outside the checkpointed region and once per step.
 """
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -22,6 +23,7 @@ import torch.nn as nn
 # set-up rather than in the middle of the first training step.
 from gradaccel.ops import extension
 from gradaccel.recompute import compiled
+from gradaccel.recompute.block_plan import DEVICE, HOST, BlockPlan, Mode, plan_of, set_plan
 from gradaccel.recompute.checkpoint import _check_budget, _checkpoint, check_cost
 from gradaccel.recompute.host_inputs import run_parked
 from gradaccel.recompute.report import remember_model
@@ -37,17 +39,18 @@ def _checkpointed_forward(self, *args, **kwargs):
     forward = type(self)._gradaccel_subclass.__mro__[1].forward.__get__(self)
     # Eval, no_grad and inference need no backward, so nothing to recompute: run as is (this also
     # keeps a KV cache that a recompute would otherwise update twice).
-    if not (self.training and torch.is_grad_enabled()) or self.__dict__.get("_gradaccel_fine"):
-        # (memory= below the per-block floor checkpoints the block's parts instead: frontier.py)
+    plan = plan_of(self)
+    if not (self.training and torch.is_grad_enabled()) or not plan.checkpointed:
+        # (memory= may run the block uncheckpointed, or as its parts: gradaccel/memory/target.py)
         return forward(*args, **kwargs)
     policy = compiled.block_policy(self)  # memory= under torch.compile
     if policy is not None:
         return compiled.run(functools.partial(forward, **kwargs), args, {}, policy)
     # Keyword arguments go in through partial so that names such as `use_reentrant` or `budget`
     # reach the block, not checkpoint.
-    run = functools.partial(_checkpoint_args, functools.partial(forward, **kwargs), budget=self._gradaccel_budget,
-                            cost=getattr(self, "_gradaccel_cost", "flops"), offload=getattr(self, "_gradaccel_offload", False))
-    if getattr(self, "_gradaccel_inputs_on_host", False):
+    run = functools.partial(_checkpoint_args, functools.partial(forward, **kwargs), budget=plan.budget,
+                            cost=plan.cost, offload=plan.offload)
+    if plan.parked:
         return run_parked(run, args)
     return run(*args)
 
@@ -142,16 +145,17 @@ class _HFCheckpoint:
                 function = functools.partial(method, *function.args[1:], **function.keywords)
         kwargs.pop("use_reentrant", None)  # gradaccel is always non-reentrant
         preserve_rng_state = kwargs.pop("preserve_rng_state", True)
-        if layer is not None and layer.__dict__.get("_gradaccel_fine"):
-            return function(*args, **kwargs)  # memory= checkpoints its parts instead (gradaccel/memory/target.py)
+        plan = plan_of(layer)  # memory= or a fit gives each layer its own plan (budget in bytes)
+        if plan is not None and not plan.checkpointed:
+            return function(*args, **kwargs)  # memory= runs it uncheckpointed or as its parts (gradaccel/memory/target.py)
         policy = compiled.block_policy(layer)  # memory= under torch.compile
         if policy is not None:
             return compiled.run(function, args, kwargs, policy, preserve_rng_state)
-        # checkpoint_blocks(memory=...) gives each layer its own share, in bytes.
-        run = functools.partial(_checkpoint_args, function, budget=getattr(layer, "_gradaccel_budget", self.budget),
-                                cost=self.cost, offload=getattr(layer, "_gradaccel_offload", self.offload), kwargs=kwargs,
+        run = functools.partial(_checkpoint_args, function, budget=self.budget if plan is None else plan.budget,
+                                cost=self.cost, offload=self.offload or plan is not None and plan.offload, kwargs=kwargs,
                                 preserve_rng_state=preserve_rng_state)
-        if getattr(layer, "_gradaccel_inputs_on_host", self.inputs_on_host):
+        parked = None if plan is None else plan.parked
+        if self.inputs_on_host if parked is None else parked:
             return run_parked(run, args)
         return run(*args)
 
@@ -241,11 +245,11 @@ def set_budget(model, budget):
             f = m._gradaccel_checkpoint
             _take_over(m, budget, f.cost, f.offload, f.inputs_on_host)
             n += 1
-        elif "_gradaccel_budget" in vars(m) and getattr(type(m), "_gradaccel_subclass", None) is None:
-            del m._gradaccel_budget  # an HF layer's share from memory=: the model's budget applies again
-        elif getattr(type(m), "_gradaccel_subclass", None) is not None:
-            m._gradaccel_budget = budget
-            n += 1
+        else:
+            plan = plan_of(m)
+            if plan is not None and plan.checkpointed:  # an HF layer's share from memory=, or a block's budget
+                set_plan(m, dataclasses.replace(plan, budget=budget))
+            n += getattr(type(m), "_gradaccel_subclass", None) is not None
     return n
 
 
@@ -407,6 +411,6 @@ def install(model, budget=None, block_types=None, cost="flops", offload=False, i
     # A module listed twice (shared weights) is still one block: swap its class once.
     for block in {id(b): b for b in blocks}.values():
         block.__class__ = _subclass_for(type(block))
-        block._gradaccel_budget, block._gradaccel_cost, block._gradaccel_offload = budget, cost, offload
-        block._gradaccel_inputs_on_host = inputs_on_host
+        set_plan(block, BlockPlan(Mode.BUDGET, budget=budget, offload=offload, cost=cost,
+                                   parking=HOST if inputs_on_host else DEVICE))
     return model

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 from gradaccel.recompute import compiled
 from gradaccel.recompute import region as _region
 from gradaccel.recompute import structure as _structures
+from gradaccel.recompute.block_plan import plan_of
 from gradaccel.recompute.cost import OpCost, check_cost
 from gradaccel.recompute.frames import TraceFrame
 from gradaccel.recompute.offload_frame import store_for
@@ -103,9 +104,14 @@ def _module_state(m: torch.nn.Module) -> tuple:
     state, stack, seen = [], [m], {id(m)}
     while stack:  # m.modules() and m.parameters() without their generators: a third of the time
         sub = stack.pop()
-        # .training among them; not the block's budget, which is keyed as the budget (a plan
-        # input, not a trace input: memory= sets another one at each length).
-        state.extend(v for k, v in sub.__dict__.items() if _plain(v) and k != "_gradaccel_budget")
+        # .training among them; of a block's plan, what a trace depends on: not its budget, which
+        # is keyed as the budget (a plan input, not a trace input: memory= sets another one at each
+        # length), nor memory='s note that lengths will vary (set at the second length: a trace
+        # then finds its size formulas, and is not made again).
+        state.extend(v for k, v in sub.__dict__.items() if _plain(v) and k != "_gradaccel_lengths")
+        plan = plan_of(sub)
+        if plan is not None:
+            state.append(plan.traced)
         state.extend((id(p), p.requires_grad) for p in sub._parameters.values() if p is not None)
         state.extend(id(b) for b in sub._buffers.values() if b is not None)
         for child in sub._modules.values():

@@ -21,7 +21,7 @@ Where a region's plan comes from:
   arguments cannot be read back) runs eagerly, a graph break, as before compile (warned).
 - ``checkpoint_blocks(model, memory=...)``: the target's forward pre-hook runs eagerly (a graph
   break before the model's first op) and plans as in eager mode; under compile it hands each
-  block the policy of its plan (``_gradaccel_policy``, read by gradaccel/recompute/blocks.py), at
+  block the policy of its plan (its ``BlockPlan.policy``, read by gradaccel/recompute/blocks.py), at
   the longest length the compiled graph serves (gradaccel/memory/target.py).
 
 Policies are interned by content: two plans that keep the same ops are one policy object, so a
@@ -44,6 +44,7 @@ import torch.utils.checkpoint as _tc
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_map
 
+from gradaccel.recompute.block_plan import plan_of
 from gradaccel.recompute.frames import TraceFrame
 from gradaccel.recompute.plan import Planner, capture_rng, rng_state_bytes
 from gradaccel.recompute.trace import DataReads, Graph, Opaque, Ref
@@ -199,7 +200,8 @@ def block_policy(block):
     (gradaccel/memory/target.py); else None."""
     if not torch.compiler.is_compiling():
         return None
-    return getattr(block, "_gradaccel_policy", None)
+    plan = plan_of(block)
+    return None if plan is None else plan.policy
 
 
 def contexts(policy: Policy):

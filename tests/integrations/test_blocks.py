@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import gradaccel
 from gradaccel import checkpoint_blocks
+from gradaccel.recompute.block_plan import plan_of
 
 BUDGETS = [None, 0.0, 0.5, 1.0, 4096]
 
@@ -234,7 +235,7 @@ def test_offload_passes_through_and_is_checked():
         checkpoint_blocks(model, offload="yes")
     assert not any(_is_checkpointed(m) for m in model.modules())
     checkpoint_blocks(model, budget=0.5, offload=True)
-    assert all(m._gradaccel_offload for m in model.modules() if _is_checkpointed(m))
+    assert all(plan_of(m).offload for m in model.modules() if _is_checkpointed(m))
 
 
 @pytest.mark.parametrize("block_types", [3, [Block, 3], [], [int]])
@@ -274,7 +275,7 @@ def test_pickle_round_trip(tmp_path):
     checkpoint_blocks(model, budget=0.5)
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert all(_is_checkpointed(b) and b._gradaccel_budget == 0.5 for b in loaded.blocks)
+    assert all(_is_checkpointed(b) and plan_of(b).budget == 0.5 for b in loaded.blocks)
     assert type(loaded.blocks[0]) is type(model.blocks[0])
     x = torch.randn(7, 5)
     torch.testing.assert_close(_run(loaded, x), _run(ref, x), rtol=0, atol=0)
@@ -418,7 +419,7 @@ def test_memory_plans_the_block_types_it_checkpoints():
     (mode, peak, _), = target.chosen.values()
     assert peak <= memory, target.chosen
     # The plan is on the checkpointed blocks: each holds the budget memory= chose, the bank nothing.
-    assert all("_gradaccel_budget" in vars(b) or vars(b).get("_gradaccel_fine") for b in model.layers)
+    assert all(plan_of(b) is not None for b in model.layers)
     assert not any(k.startswith("_gradaccel") for b in model.bank for k in vars(b))
     model.zero_grad(set_to_none=True)
     with LiveBytes() as live:

@@ -16,6 +16,7 @@ import gradaccel  # noqa: E402
 from gradaccel.memory.fit import Planner, fit, hf_step  # noqa: E402
 from gradaccel.memory.fit_cli import main  # noqa: E402
 from gradaccel.memory.counter import LiveBytes, measured_peak, parse_bytes  # noqa: E402
+from gradaccel.recompute.block_plan import BlockPlan, set_plan  # noqa: E402
 from _models import PlainBlock  # noqa: E402
 
 # Three tiny Llama shapes: (hidden, intermediate, layers, heads, kv heads, vocab).
@@ -45,7 +46,7 @@ def _batch(shape, mb, seq):
 
 def _real_peak(model, budgets, batch, accum=1):
     for block, b in zip(gradaccel.memory.fit.find_blocks(model), budgets):
-        block._gradaccel_budget = b
+        set_plan(block, BlockPlan.parse(b))
     opt = gradaccel.FusedAccumOptimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]), accum)
     return measured_peak(model, opt, hf_step, batch)
 
@@ -454,7 +455,7 @@ def test_bitsandbytes_state_and_4bit_weights_measured():
     budgets = [max(1, int(0.3 * prof.kind_of[i].graph.activation_bytes)) for i in range(len(prof.blocks))]
     predicted = planner.estimate(32, 2, budgets)
     for block, b in zip(gradaccel.memory.fit.find_blocks(quantised), budgets):
-        block._gradaccel_budget = b
+        set_plan(block, BlockPlan.parse(b))
     opt = gradaccel.FusedAccumOptimizer(cls([p for p in quantised.parameters() if p.requires_grad]), 1)
     real = measured_peak(quantised, opt, hf_step, _batch(shape, 2, 32))
     assert predicted.parts["optimizer state"] == gradaccel.memory.optimizer_state_bytes(opt)
@@ -582,7 +583,7 @@ def test_fit_any_module_with_make_batch_and_loss_fn():
         budgets = [max(1, int(frac * prof.kind_of[i].graph.activation_bytes)) for i in range(len(prof.blocks))]
         predicted = planner.estimate(64, 2, budgets).peak
         for block, b in zip(model.blocks, budgets):
-            block._gradaccel_budget = b
+            set_plan(block, BlockPlan.parse(b))
         opt = gradaccel.FusedAccumOptimizer(torch.optim.AdamW(model.parameters()), 1)
         real = measured_peak(model, opt, _gpt_loss, batch)
         assert abs(predicted / real - 1) <= 0.10, (frac, predicted, real)

@@ -11,6 +11,7 @@ import gradaccel  # noqa: E402
 from gradaccel.memory.counter import measured_peak  # noqa: E402
 from gradaccel.memory.fit import Planner, hf_step  # noqa: E402
 from gradaccel.recompute.offload_frame import store_for  # noqa: E402
+from gradaccel.recompute.block_plan import plan_of  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB, SEQ = 256, 6, 64, 96  # a block input: 96 x 256 x 4 = 96 KiB (fp32)
 
@@ -126,7 +127,7 @@ def test_memory_target_parks_inputs_where_only_that_fits():
         hf_step(model, batch).backward()
     chosen = target_of(model)
     assert list(chosen.hosts.values()) == [True] and "host" in next(iter(chosen.chosen.values()))[0]
-    assert all(layer._gradaccel_inputs_on_host for layer in model.model.layers)
+    assert all(plan_of(layer).parked for layer in model.model.layers)
     assert live.peak <= memory * 1.05, (live.peak, memory)
     for p, q in zip(ref.parameters(), model.parameters()):
         if p.requires_grad:

@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradaccel.memory import LiveBytes
 from gradaccel.memory.fixed_parts import LoRALinear
+from gradaccel.recompute.block_plan import BlockPlan, set_plan
 
 peft = pytest.importorskip("peft")
 
@@ -147,7 +148,7 @@ def test_fit_predicts_a_peft_model_from_its_config():
         predicted = mine.estimate(seq, 1, budgets).peak
         assert predicted == theirs.estimate(seq, 1, budgets).peak
         for block, b in zip(find_blocks(model), budgets):
-            block._gradaccel_budget = b
+            set_plan(block, BlockPlan.parse(b))
         real = measured_peak(model, opt, hf_step, {"input_ids": ids, "labels": ids})
         # Not LoRA's: both profiles agree; bf16 on CPU, fake and real tensors differ by 2.4% here
         # (fp32 models match within 1%: tests/memory/test_fit.py).

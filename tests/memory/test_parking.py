@@ -16,6 +16,7 @@ from gradaccel.memory.fit import Planner, _evaluate, _least, hf_step  # noqa: E4
 from gradaccel.memory.parking import (DEVICE, HOST, PAIR, PAIRED, default_host_memory, describe,  # noqa: E402
                                       host_budget, parkings)
 from gradaccel.memory.parts import is_sliced  # noqa: E402
+from gradaccel.recompute.block_plan import plan_of  # noqa: E402
 
 HIDDEN, INTER, LAYERS, VOCAB, SEQ = 128, 512, 6, 64, 1024
 INPUT = SEQ * HIDDEN * 4  # one block input, fp32
@@ -52,7 +53,7 @@ def test_layout_measures_as_predicted_and_trains_as_stock(roles):
     """Every block sliced, inputs parked, kept, or in pairs: the predicted step peak against the
     measured one (weights and optimizer state included), and gradients against stock's (fp32:
     sums over slices)."""
-    planner = Planner(_model(), optim="sgd")
+    planner = Planner(_model(), optim="sgd", device="cuda")  # as for an accelerator: on a CPU device no host plans
     prof = planner.profile(SEQ, 1)
     fronts = planner.fronts(prof, host=roles)
     points = [next(p for p in opts if is_sliced(p.plan)) for opts in fronts]
@@ -79,7 +80,7 @@ def test_layout_measures_as_predicted_and_trains_as_stock(roles):
 
 
 def test_pairs_recompute_a_forward_more():
-    planner = Planner(_model(), optim="sgd")
+    planner = Planner(_model(), optim="sgd", device="cuda")  # as for an accelerator: on a CPU device no host plans
     prof = planner.profile(SEQ, 1)
     alone, paired = (next(p for p in opts if is_sliced(p.plan)) for opts in
                      (planner.fronts(prof, host=True)[2], planner.fronts(prof, host=(PAIR, PAIRED) * 3)[2]))
@@ -89,7 +90,7 @@ def test_pairs_recompute_a_forward_more():
 def test_fit_keeps_within_the_host_budget():
     """The least plan under budgets of every input, three, and none: its parked bytes within each,
     its device peak no lower where the budget is smaller, and the table states the budget."""
-    planner = Planner(_model(), optim="sgd")
+    planner = Planner(_model(), optim="sgd", device="cuda")  # as for an accelerator: on a CPU device no host plans
     peaks = []
     for budget in (True, 3 * INPUT, 0):
         least = _least(planner, SEQ, 1, False, False, host=budget)
@@ -120,7 +121,7 @@ def test_memory_target_keeps_within_the_host_budget():
     roles = next(iter(target.hosts.values()))
     assert isinstance(roles, tuple) and sum(r in (HOST, PAIR) for r in roles) <= 2, roles
     for layer, role in zip(model.model.layers, roles):
-        assert layer._gradaccel_inputs_on_host == (role in (HOST, PAIR))
+        assert plan_of(layer).parked == (role in (HOST, PAIR))
     for p, q in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="host_memory"):

@@ -201,7 +201,7 @@ def test_nested_holds_the_input_alone_and_rebuilds_a_slice_at_a_time():
     def run(setting):
         for p in block.parameters():
             p.grad = None
-        set_parts(block, slices_of(setting) > 0, max(1, slices_of(setting)), whole=setting != "tiles:8")
+        set_parts(block, slices_of(setting) > 0, max(1, slices_of(setting)))  # nested: the checkpoint below
         x = args[0].detach().requires_grad_()
         with LiveBytes() as live:
             out = tc.checkpoint(block, x, *args[1:], use_reentrant=False, **kwargs) if setting != "tiles:8" \

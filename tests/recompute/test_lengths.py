@@ -21,6 +21,7 @@ from gradaccel.recompute.roles import Source
 from gradaccel.recompute.checkpoint import plan_rows, reset_plans
 from gradaccel.recompute.region import MAX_PLANS
 from gradaccel.memory.counter import held_activation_bytes
+from gradaccel.recompute.block_plan import BlockPlan, set_plan
 
 # Traced at the first; then shorter and longer than any seen, one equal to n_embd (64).
 LENGTHS = [24, 9, 40, 64, 3, 57, 24, 31]
@@ -194,7 +195,7 @@ def test_blocks_given_their_own_budgets_are_sized_and_planned_once_per_length():
         x = torch.randn(2, t, 64, generator=torch.Generator().manual_seed(t))
         y, z = x.clone().requires_grad_(), x.clone().requires_grad_()
         for block, budget in zip(blocks, budgets):
-            block._gradaccel_budget = budget  # as memory= sets it
+            set_plan(block, BlockPlan.parse(budget))  # as memory= sets it
             y = gradaccel.checkpoint(block, y, budget=budget)
         y.square().sum().backward(), ref(z).square().sum().backward()
         assert_grads_match(ref, blocks)
