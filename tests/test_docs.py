@@ -66,12 +66,12 @@ def test_examples_parse_import_and_run(page):
 
 def test_long_context_figures_give_their_command():
     """The README's longest-context figure comes with the command that gives it, flags included
-    (the 8-bit paged optimizer among them): the line after the figure."""
+    (the 8-bit paged optimizer and the host budget among them): the line after the figure."""
     text = README.read_text()
-    figure = text.index("99,328 tokens on 24 GiB")
+    figure = text.index("164,864 tokens on 24 GiB")
     command = text[figure:].split("```sh\n", 1)[1].split("```", 1)[0]
-    for flag in ("--model llama-3-8b", "--lora 16", "--load-in-4bit", "--optim paged_adamw8bit", "--memory 24GiB",
-                 "--max-seq"):
+    for flag in ("--model llama-3.1-8b", "--lora 16", "--load-in-4bit", "--optim paged_adamw8bit", "--memory 24GiB",
+                 "--host-memory 48GiB", "--max-seq"):
         assert flag in command, flag
 
 
