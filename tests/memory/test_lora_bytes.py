@@ -7,30 +7,22 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gradaccel.memory import LiveBytes
 from gradaccel.memory.fixed_parts import LoRALinear
 from gradaccel.recompute.block_plan import BlockPlan, set_plan
+from tests._ops import OpLog
 
 peft = pytest.importorskip("peft")
 
 IN, OUT, R = 64, 96, 4
 
 
-class _Ops(TorchDispatchMode):
-    """Each op's outputs as (op, dtype, shape), in order."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops += [(func.overloadpacket.__name__, t.dtype, tuple(t.shape))
-                     for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        return out
+def _outputs(func, args, kwargs, out):
+    """Each op's outputs as (op, dtype, shape)."""
+    return [(func.overloadpacket.__name__, t.dtype, tuple(t.shape)) for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor)]
 
 
 class _Holder(nn.Module):
@@ -79,7 +71,7 @@ def _run(layer, x, autocast):
     """(adapter's ops in forward, bytes held after forward, peak of forward and backward, peak of
     a forward that saves nothing (as a keep-nothing checkpoint's), output, input gradient)."""
     x = x.detach().requires_grad_(True)
-    ops, live = _Ops(), LiveBytes()
+    ops, live = OpLog(_outputs), LiveBytes()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), live, ops:
         y = layer(x)
         held, forward_ops = live.live, list(ops.ops)

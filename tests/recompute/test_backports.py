@@ -11,34 +11,27 @@ import itertools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from gradaccel.recompute import symbolic
 from gradaccel.recompute import backports
 from gradaccel.recompute.backports import python_matmul
+from tests._ops import OpLog
 
 
-class _Ops(TorchDispatchMode):
-    """The aten ops a call runs, with their arguments (a tensor by its geometry and dtype)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.namespace != "prim":
-            geometry = lambda x: (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype) \
-                if isinstance(x, torch.Tensor) else x  # noqa: E731
-            self.ops.append((func, tree_map(geometry, (args, kwargs))))
-        return out
+def _op_and_geometry(func, args, kwargs, out):
+    """An op with its arguments, a tensor by its geometry and dtype (prims left out)."""
+    if func.namespace == "prim":
+        return []
+    geometry = lambda x: (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype) \
+        if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return [(func, tree_map(geometry, (args, kwargs)))]
 
 
 def _run(a, b):
     """(ops, output, gradients) of ``a @ b`` with fresh leaves of ``a`` and ``b``."""
     a, b = (t.detach().requires_grad_(t.requires_grad) for t in (a, b))
-    with _Ops() as seen:
+    with OpLog(_op_and_geometry) as seen:
         out = a @ b
     wrt = [t for t in (a, b) if t.requires_grad]
     return seen.ops, out, torch.autograd.grad(out.sum(), wrt) if wrt else ()
