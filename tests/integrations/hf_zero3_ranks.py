@@ -28,7 +28,7 @@ from bench.common import pad_collate  # noqa: E402
 from gradaccel.memory import LiveBytes  # noqa: E402
 from gradaccel.recompute.blocks import _HFCheckpoint  # noqa: E402
 from gradaccel.recompute.checkpoint import plan_rows  # noqa: E402
-from hf_ddp_ranks import OUT, RANK, data, load, logged  # noqa: E402
+from hf_ddp_ranks import OUT, RANK, close, data, load, logged  # noqa: E402
 
 A, MICRO, WINDOWS, LAYERS = zero2.A, zero2.MICRO, zero2.WINDOWS, zero2.LAYERS
 RELEASED = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
@@ -130,6 +130,23 @@ def accelerate_run():
     assert_same_partitions(ref.module, model.module)
 
 
+def memory():
+    """checkpoint_blocks(model, memory=...) under a ZeRO-3 Trainer (HF's checkpointing on, as a
+    user's script has it): the memory target plans each length at the first training calls, on
+    fake copies at the parameters' whole shapes, and the run logs stock ZeRO-3's losses and grad
+    norms (fp32; a plan may run the MLP in slices, which changes the order of its sums)."""
+    from gradaccel.memory.target import MemoryTarget
+
+    ref = train("full", False, "memory-stock")
+    model = model_of("full")
+    gradaccel.checkpoint_blocks(model, memory=1 << 20)
+    ours = zero2.train("full", False, "memory-ga", model=model, deepspeed=ds_config())
+    target = next(h for h in ours.model._forward_pre_hooks.values() if isinstance(h, MemoryTarget))
+    assert target.chosen, "the memory target planned no call"
+    (l1, g1), (l2, g2) = zip(*logged(ours)), zip(*logged(ref))
+    close(l1, l2, "loss"), close(g1, g2, "grad_norm")
+
+
 class _Live(LiveBytes):
     """LiveBytes, and what each measured forward left alive for its backward (``held``)."""
 
@@ -190,7 +207,8 @@ def refused():
 
 
 # The accelerate loops after the Trainers (they reset accelerate's state, which the Trainers made).
-SCENARIOS = {"full": full, "lora": lora, "accelerate": accelerate_run, "peak": peak, "refused": refused}
+SCENARIOS = {"full": full, "lora": lora, "accelerate": accelerate_run, "peak": peak, "refused": refused,
+             "memory": memory}
 
 if __name__ == "__main__":
     zero2.main(SCENARIOS)

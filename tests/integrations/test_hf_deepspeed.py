@@ -24,9 +24,10 @@ from _dist import torchrun  # noqa: E402
 HERE = Path(__file__).parent
 # One torchrun launch per rank script, its scenarios read per rank: ZeRO-2 (hf_deepspeed_ranks.py,
 # ~70 s on 2 busy cores) and ZeRO-3 (hf_zero3_ranks.py: the Trainer, full and LoRA; an accelerate
-# loop with a DeepSpeedPlugin at stage 3; the peak at budget 0.5; NVMe refused; ~90 s).
+# loop with a DeepSpeedPlugin at stage 3; the peak at budget 0.5; NVMe refused; checkpoint_blocks'
+# memory= under the Trainer; ~130 s).
 LAUNCHES = {"zero2": ("hf_deepspeed_ranks.py", ["full", "lora", "bf16", "accelerate", "refused"]),
-            "zero3": ("hf_zero3_ranks.py", ["full", "lora", "accelerate", "peak", "refused"])}
+            "zero3": ("hf_zero3_ranks.py", ["full", "lora", "accelerate", "peak", "refused", "memory"])}
 TIMEOUT_S = 420
 
 
