@@ -217,9 +217,9 @@ class Planner:
 
         results = fitting()
         if results:
-            best = answer(choose(results))  # see gradaccel/memory/fit_choice.py
+            best = choose(results)  # see gradaccel/memory/fit_choice.py
             if not host_ok:
-                return best
+                return answer(best)
             # Offload: what the budget leaves out goes to host memory where copying beats
             # recomputing; faster at the same device memory, or not at all (its own micro-batches:
             # offload never lowers the floor of a plan that keeps nothing).
@@ -232,11 +232,10 @@ class Planner:
                     best.options.append(option)
             if parked is not None and faster_option(parked, best):
                 best.options.append(parked)
-            answer(best)
             if best.options:
                 best.why += ("; the options below are faster but hold host memory, which the fit uses only where no "
                              "plan fits without it (fit.options[i].apply(model, optimizer) takes one)")
-            return best
+            return answer(best)
         # Nothing fits without offload. Where a plan with offload fits, it is the answer (what
         # apply() installs); otherwise the least this step can take, and what would fit.
         worst = _least_either_loss(setup, seq, batch, False)

@@ -150,7 +150,7 @@ class MemoryTarget:
         self.host_memory, self.host_note = host_budget(host_memory)
         self.seen = {}
         self.chosen = {}
-        self.hosts = {}  # input signature -> whether its plan has the inputs on the host
+        self.hosts = {}  # input signature -> where its plan has the blocks' inputs wait (_plan's roles)
         self.policies = {}  # input signature -> per block, its plan's policy under torch.compile (or None)
         self.longest = 0  # the longest length seen (under torch.compile, every length runs its plan)
         self.lengths = {}  # structure key -> LengthProfile (gradaccel/memory/lengths.py)
@@ -323,25 +323,26 @@ class MemoryTarget:
         """``((head, settings), (mode, peak, floor))`` for this call, the inputs on the host
         (``hosts``) where the user asked, or where only then a plan fits."""
         host = self.inputs_on_host
-        plan, chosen, fits, policies = self._plan(module, args, kwargs, predict, host)
+        plan, chosen, fits, policies, roles = self._plan(module, args, kwargs, predict, host)
         if not fits and not host:
             parked = self._plan(module, args, kwargs, predict, True)
             if parked[2] or parked[1][1] < chosen[1]:
-                plan, chosen, fits, policies = parked
-                host = True
+                plan, chosen, fits, policies, roles = parked
         if not fits:
             peak = chosen[1]
             warnings.warn(f"gradaccel.checkpoint_blocks: memory={self.memory} bytes is below the least this step can "
                           f"take with gradaccel's plans ({peak} bytes, predicted on fake tensors; short by "
                           f"{peak - self.memory} bytes) at input shape {_key(args, kwargs)}; using that plan. "
                           "Lower the micro-batch or sequence length to fit.", UserWarning, stacklevel=4)
-        self.hosts[_key(args, kwargs)] = self._roles if host else False
+        self.hosts[_key(args, kwargs)] = roles
         self.policies[_key(args, kwargs)] = policies
         return plan, chosen
 
     def _plan(self, module, args, kwargs, predict, host):
-        """``((head, settings), (mode, peak, floor), fits, policies)`` with the inputs on the host or
-        not; ``policies``: per block, what its plan keeps, for compiled calls (gradaccel/recompute/compiled.py)."""
+        """``((head, settings), (mode, peak, floor), fits, policies, roles)`` with the inputs on the
+        host or not; ``policies``: per block, what its plan keeps, for compiled calls
+        (gradaccel/recompute/compiled.py); ``roles``: where the blocks' inputs wait (False: on the
+        device; True: every one on the host; else a role per block, gradaccel/memory/parking.py)."""
         profiles = []
         try:
             return self._plan_on(module, args, kwargs, predict, host, profiles)
@@ -407,7 +408,6 @@ class MemoryTarget:
             if above is not None:
                 return above
             return self._plan_on(module, args, kwargs, False, host, profiles)
-        self._roles = prof.inputs_on_host  # the parking of the plan chosen (_choose keeps it)
         settings = [_setting(p, prof.kind_of[i]) for i, p in enumerate(points)]
         if host:  # a block that keeps everything is still checkpointed: that is what parks its input
             settings = [p.budget if st is None else st for st, p in zip(settings, points)]
@@ -419,7 +419,8 @@ class MemoryTarget:
                                      ("host", host)) if on)
         policies = [compiled.policy_of(p.plan) if isinstance(st, int) and getattr(p, "plan", None) is not None else None
                     for st, p in zip(settings, points)]
-        return (head, settings), (mode or "blocks", peak, floor), bool(fitting) or peak <= self.memory, policies
+        return ((head, settings), (mode or "blocks", peak, floor), bool(fitting) or peak <= self.memory, policies,
+                prof.inputs_on_host)
 
     def _plan_above(self, module, args, kwargs, host, profiles):
         """:meth:`_plan_on`'s answer at the shortest profiled length above this call's (planned
@@ -430,10 +431,9 @@ class MemoryTarget:
         if above is None:
             return None
         key = (structure, above, host)
-        if key not in self.above:  # with the parking it chose (_plan_on's self._roles)
-            answer = self._plan_on(module, *at_length((args, kwargs), length, above), True, host, profiles)
-            self.above[key] = answer, self._roles
-        answer, self._roles = self.above[key]  # ((head, settings), (mode, peak, floor), fits, policies)
+        if key not in self.above:
+            self.above[key] = self._plan_on(module, *at_length((args, kwargs), length, above), True, host, profiles)
+        answer = self.above[key]  # ((head, settings), (mode, peak, floor), fits, policies, roles)
         return answer if answer[2] else None
 
 

@@ -106,7 +106,7 @@ def test_memory_target_parks_inputs_where_only_that_fits():
         hf_step(probe, batch)
         target._busy.on = True  # as in the hook: the profiles' fake models do not plan themselves
         try:
-            _, (_, kept, _), _, _ = target_of(probe)._plan(probe, *calls[0], True, False)
+            _, (_, kept, _), _, _, _ = target_of(probe)._plan(probe, *calls[0], True, False)
         finally:
             target._busy.on = False
     # Two block inputs under it: the blocks (sliced, nested or parts) do not reach it keeping
