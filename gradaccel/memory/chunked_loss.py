@@ -318,8 +318,10 @@ def _clear_head(model, args, out):
     if isinstance(loss, _HeadLoss):
         state = loss.head.__dict__
         state["_gradaccel_labels"] = False
-        made = state.pop("_gradaccel_made", None)
-        made = made() if made is not None else None
+        made = state.get("_gradaccel_made")
+        if made is not None:
+            delattr(loss.head, "_gradaccel_made")  # (torch 2.11's dynamo traces no __dict__.pop or del)
+            made = made()
         if made is not None:
             made.take_source()
     return None

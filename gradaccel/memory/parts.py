@@ -44,6 +44,7 @@ from gradaccel.memory.sliced import why_not
 from gradaccel.recompute import compiled
 from gradaccel.recompute.block_plan import BlockPlan, Mode
 from gradaccel.recompute.blocks import model_class
+from gradaccel.recompute.own_forward import own_forward
 
 __all__ = ["has_parts", "has_tiles", "install_parts", "set_parts", "slice_counts", "slices_of", "tiles",
            "nested", "is_nested", "sliced", "sliced_count", "is_sliced", "is_parts", "check_structure",
@@ -140,7 +141,7 @@ def _put(args, kwargs, where, value):
 
 
 def _part_forward(module, *args, **kwargs):
-    forward = type(module).forward.__get__(module)
+    forward = own_forward(module)
     d = module.__dict__
     tiles_n = d.get("_gradaccel_part", 0)  # 0: off; else on, token-wise in that many slices (set_parts)
     if not (tiles_n and module.training and torch.is_grad_enabled()):
@@ -159,7 +160,7 @@ def _part_forward(module, *args, **kwargs):
                                "the block's structure differs from the one profiled")
         args, kwargs = (args[:where] + args[where + 1:], kwargs) if isinstance(where, int) else \
             (args, {k: v for k, v in kwargs.items() if k != where})
-        inner, norm_forward = forward, type(norm).forward.__get__(norm)
+        inner, norm_forward = forward, own_forward(norm)
 
         def forward(x, *a, **k):  # noqa: F811 (the norm, then the part, in one checkpoint)
             a, k = _put(a, k, where, norm_forward(x))

@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from gradaccel.recompute.blocks import find_blocks, model_class
+from gradaccel.recompute.own_forward import own_forward
 from gradaccel.recompute.region import trace_call
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.structure import module_kind
@@ -348,7 +349,7 @@ def _tokens(kind) -> int:
 
 def _plain_forward(block):
     """The block's forward, without checkpoint_blocks' wrapper (the profile runs plans itself)."""
-    return model_class(block).forward.__get__(block)
+    return own_forward(block, model_class(block))
 
 
 def _fresh_leaf(t):

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 from gradaccel.recompute.block_plan import BlockPlan, Mode, plan_of, set_plan
 from gradaccel.recompute.blocks import model_class
 from gradaccel.recompute.host_inputs import run_parked
+from gradaccel.recompute.own_forward import own_forward
 from gradaccel.recompute.context import capture_rng, rng_restored
 
 __all__ = ["ATTENTION", "why_not", "run_sliced", "install_sliced", "set_sliced", "attend", "kv_flops"]
@@ -330,7 +331,7 @@ def _sliced_forward(block, *args, **kwargs):
     SLICED, its input parked on the host where the plan's parking says so, and run with the next
     block under one checkpoint where it is a pair's first (gradaccel/memory/parking.py); as the
     model's own otherwise."""
-    forward = model_class(block).forward.__get__(block)
+    forward = own_forward(block, model_class(block))
     plan = plan_of(block)
     if not (plan is not None and plan.mode is Mode.SLICED and block.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
@@ -341,7 +342,7 @@ def _sliced_forward(block, *args, **kwargs):
     tail = plan.pair
     tail_plan = plan_of(tail)
     if tail_plan is not None and tail_plan.mode is Mode.SLICED:
-        tail_forward = model_class(tail).forward.__get__(tail)
+        tail_forward = own_forward(tail, model_class(tail))
 
         def both(x):
             y = run_sliced(block, n, forward, (x,), kwargs)

@@ -8,7 +8,8 @@
 - Plans across sizes: structure.py (one trace per structure, a module's kind), symbolic.py (the
   region run on symbolic sizes), formulas.py (the trace as formulas of the input sizes).
 - blocks.py: finds a model's repeated blocks and wraps each in a checkpoint (the mechanism
-  under ``gradaccel.checkpoint_blocks``).
+  under ``gradaccel.checkpoint_blocks``); own_forward.py (a module's own forward, bound, also
+  while torch.compile traces).
 - storage.py (who is which storage), context.py (the generator state and autocast a replay
   runs under), split_off.py (data-dependent submodules), state.py (the module-level caches that
   ``reset_plans`` clears), engine.py (hooks for an engine that releases the parameters a region

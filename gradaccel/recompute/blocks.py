@@ -26,6 +26,7 @@ from gradaccel.recompute import compiled
 from gradaccel.recompute.block_plan import DEVICE, HOST, BlockPlan, Mode, plan_of, set_plan
 from gradaccel.recompute.checkpoint import _check_budget, _checkpoint, check_cost
 from gradaccel.recompute.host_inputs import run_parked
+from gradaccel.recompute.own_forward import own_forward
 from gradaccel.recompute.report import remember_model
 
 __all__ = ["install", "set_budget", "release"]
@@ -35,8 +36,7 @@ _SUBCLASSES = {}
 
 
 def _checkpointed_forward(self, *args, **kwargs):
-    # super(subclass, self).forward, in a form dynamo traces as a method (it reads the module it runs on)
-    forward = type(self)._gradaccel_subclass.__mro__[1].forward.__get__(self)
+    forward = own_forward(self, type(self)._gradaccel_subclass.__mro__[1])  # super(subclass, self).forward
     # Eval, no_grad and inference need no backward, so nothing to recompute: run as is (this also
     # keeps a KV cache that a recompute would otherwise update twice).
     plan = plan_of(self)

@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from gradaccel.recompute.own_forward import own_forward
+
 _ACTIVE: list = []  # the frames of the regions whose forward is running, innermost last
 
 
@@ -52,7 +54,7 @@ def module_stack(stack: list):
 def _opaque_forward(module, *args, **kwargs):
     """The ``forward`` of a split-off submodule: inside a gradaccel region, it runs as its own
     ``torch.utils.checkpoint``; anywhere else, as it is."""
-    forward = type(module).forward.__get__(module)
+    forward = own_forward(module)
     if not _ACTIVE or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return _ACTIVE[-1].opaque(forward, args, kwargs, module._gradaccel_opaque)

@@ -8,6 +8,7 @@ no break, the plan is the eager plan, and what the compiled graph keeps is withi
 """
 
 import copy
+import functools
 import pickle
 
 import pytest
@@ -19,6 +20,8 @@ from torch._dynamo.utils import counters
 import gradaccel
 from gradaccel import FusedAccumOptimizer, checkpoint_blocks
 from gradaccel.recompute import compiled
+from gradaccel.recompute.own_forward import own_forward
+from gradaccel.recompute.region import unwrap
 from gradaccel.recompute.state import STATE
 from gradaccel.recompute.storage import storage_key
 
@@ -139,6 +142,21 @@ def test_no_graph_break(cls, prepare, budget):
     compiled_model(torch.randn(6, 5)).backward()
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_own_forward_is_one_owner_eagerly_and_compiled():
+    # A block's own forward is a bound method eagerly and a partial while dynamo traces (torch
+    # 2.11's dynamo cannot trace function.__get__): both key the region on the block and its
+    # class's forward, and the compiled call traces whole on every torch.
+    block = Block(4)
+    eager = own_forward(block)
+    assert eager.__self__ is block and eager.__func__ is Block.forward
+    fn, args, _ = unwrap(functools.partial(Block.forward, block), (torch.randn(2, 4),), {})
+    assert compiled.owner_of(fn, args) == compiled.owner_of(eager, (torch.randn(2, 4),)) == (block, Block.forward)
+    x = torch.randn(2, 4)
+    torch._dynamo.reset()
+    out = torch.compile(lambda x: own_forward(block)(x), backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(out, block(x), rtol=0, atol=0)
 
 
 def test_inductor_grads_match_eager():
