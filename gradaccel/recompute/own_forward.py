@@ -13,9 +13,11 @@ def own_forward(module: torch.nn.Module, cls: type = None):
     names the region and reads the module's state from it. While dynamo traces, it is
     ``functools.partial(forward, module)``, which compiled.owner_of keys the same way (the
     module and the function): torch 2.11's dynamo cannot trace ``function.__get__`` (a graph
-    break at every call; 2.13's can), and neither torch's traces ``types.MethodType``.
+    break at every call; 2.13's can), and neither torch's traces ``types.MethodType``. (Not
+    ``is_compiling()``: torch 2.13 holds that True for the whole compile session, also in the
+    Python that plans a region on fake tensors, which runs eagerly.)
     """
     forward = (cls or type(module)).forward
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return functools.partial(forward, module)
     return forward.__get__(module)

@@ -157,6 +157,24 @@ def test_own_forward_is_one_owner_eagerly_and_compiled():
     torch._dynamo.reset()
     out = torch.compile(lambda x: own_forward(block)(x), backend="eager", fullgraph=True)(x)
     torch.testing.assert_close(out, block(x), rtol=0, atol=0)
+    # Python that runs eagerly while compiling (a region planned on fake tensors) gets the method.
+    from torch._dynamo.comptime import comptime
+
+    _WHILE_COMPILING.update(block=block, seen=None)
+
+    def planned_while_compiling(x):
+        comptime(_own_forward_while_compiling)
+        return x + 1
+
+    torch.compile(planned_while_compiling, backend="eager", fullgraph=True)(x)
+    assert _WHILE_COMPILING["seen"].__self__ is block
+
+
+_WHILE_COMPILING = {}
+
+
+def _own_forward_while_compiling(ctx):  # (a comptime function has no free variables)
+    _WHILE_COMPILING["seen"] = own_forward(_WHILE_COMPILING["block"])
 
 
 def test_inductor_grads_match_eager():
