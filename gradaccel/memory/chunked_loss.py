@@ -318,12 +318,12 @@ def _clear_head(model, args, out):
     if isinstance(loss, _HeadLoss):
         state = loss.head.__dict__
         state["_gradaccel_labels"] = False
-        made = state.get("_gradaccel_made")
-        if made is not None:
+        ref = state.get("_gradaccel_made")
+        if ref is not None:
             delattr(loss.head, "_gradaccel_made")  # (torch 2.11's dynamo traces no __dict__.pop or del)
-            made = made()
-        if made is not None:
-            made.take_source()
+            made = ref()
+            if made is not None:
+                made.take_source()
     return None
 
 
